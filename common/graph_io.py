@@ -1,0 +1,96 @@
+"""The one place that defines the names and shapes of every exported graph's inputs and outputs.
+
+Every graph of a model (prefill, decode, score, catch-up) has the same signature; only the
+number of new tokens T differs. B = batch, C = context length (cache slots), H = KV heads,
+D = head dim, V = vocabulary size, L = layers.
+
+| name                | dtype   | shape          | meaning                                              |
+|---------------------|---------|----------------|------------------------------------------------------|
+| input_ids           | int64   | [B, T]         | the T new tokens                                     |
+| position_ids        | int64   | [B, T]         | their positions (RoPE); chosen by the host           |
+| attention_mask      | bool    | [B, T, C + T]  | row t: which cache slots (first C columns) and which |
+|                     |         |                | new tokens (last T columns) token t may attend to    |
+| past_key.{i}        | kv      | [B, H, C, D]   | layer i's key cache (unused slots are masked out)    |
+| past_value.{i}      | kv      | [B, H, C, D]   | layer i's value cache                                |
+| logits              | float32 | [B, T, V]      | next-token logits for each new token                 |
+| new_key.{i}         | kv      | [B, H, T, D]   | keys of the T new tokens; the host writes them into  |
+| new_value.{i}       | kv      | [B, H, T, D]   | the cache slots it chose                             |
+
+The host owns the cache: it decides which slot each token occupies, and the mask decides what
+each token sees, so a causal chain, a tree of candidates and a rewind (purge) are all host-side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+
+
+def past_key(layer: int) -> str:
+    return f"past_key.{layer}"
+
+
+def past_value(layer: int) -> str:
+    return f"past_value.{layer}"
+
+
+def new_key(layer: int) -> str:
+    return f"new_key.{layer}"
+
+
+def new_value(layer: int) -> str:
+    return f"new_value.{layer}"
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the host needs to know about a model to allocate buffers and drive its graphs."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str = "float32"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def input_names(dims: ModelDims) -> list[str]:
+    names = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK]
+    for i in range(dims.n_layers):
+        names += [past_key(i), past_value(i)]
+    return names
+
+
+def output_names(dims: ModelDims) -> list[str]:
+    names = [LOGITS]
+    for i in range(dims.n_layers):
+        names += [new_key(i), new_value(i)]
+    return names
+
+
+def input_shapes(dims: ModelDims, batch: int, tokens: int, context: int) -> dict[str, tuple]:
+    kv = (batch, dims.n_kv_heads, context, dims.head_dim)
+    shapes: dict[str, tuple] = {
+        INPUT_IDS: (batch, tokens),
+        POSITION_IDS: (batch, tokens),
+        ATTENTION_MASK: (batch, tokens, context + tokens),
+    }
+    for i in range(dims.n_layers):
+        shapes[past_key(i)] = kv
+        shapes[past_value(i)] = kv
+    return shapes
+
+
+def output_shapes(dims: ModelDims, batch: int, tokens: int) -> dict[str, tuple]:
+    new = (batch, dims.n_kv_heads, tokens, dims.head_dim)
+    shapes: dict[str, tuple] = {LOGITS: (batch, tokens, dims.vocab_size)}
+    for i in range(dims.n_layers):
+        shapes[new_key(i)] = new
+        shapes[new_value(i)] = new
+    return shapes

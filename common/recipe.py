@@ -1,0 +1,143 @@
+"""Recipe schema: a declarative model pair plus the shapes and defaults it is compiled for.
+
+A recipe is a TOML file. Validation is strict (unknown keys and wrong types are errors that name
+the offending key) because a typo in a deployment config should fail at export, not at serving.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "float16")
+MX_FORMATS = ("fp6_e2m3", "fp6_e3m2")
+MX_LOWERINGS = ("fused", "exact")
+TARGETS = ("ort-cpu", "ort-cuda")
+
+
+class RecipeError(ValueError):
+    """A recipe that does not match the schema."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model: str  # local path, Hugging Face id (resolved in the local cache only) or builtin:NAME
+    dtype: str = "float32"
+    mx_format: str | None = None
+    mx_lm_head: bool = False
+    mx_lowering: str = "fused"
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    tlm: ModelSpec
+    dlm: ModelSpec | None = None
+    description: str = ""
+    k: int = 4
+    prefill_chunk: int = 32
+    context_length: int = 256
+    max_prompt_length: int = 128
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    target: str = "ort-cpu"
+    speculative: bool = True
+    chat_template: bool = False
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    prompts: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a table, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise RecipeError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = known[key].type
+        path = f"{where}.{key}"
+        if kind in ("ModelSpec", "ModelSpec | None"):
+            value = _build(ModelSpec, value, path)
+        elif kind == "SamplingDefaults":
+            value = _build(SamplingDefaults, value, path)
+        elif kind == "tuple[str, ...]":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise RecipeError(f"{path}: expected a list of strings")
+            value = tuple(value)
+        else:
+            _check_scalar(kind, value, path)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required key is missing
+        raise RecipeError(f"{where}: {exc}") from None
+
+
+def _check_scalar(kind: str, value: Any, path: str) -> None:
+    expected = {
+        "str": (str,), "str | None": (str,), "bool": (bool,), "int": (int,), "float": (int, float),
+    }[kind]
+    if isinstance(value, bool) and kind != "bool":
+        raise RecipeError(f"{path}: expected {kind}, got a boolean")
+    if not isinstance(value, expected):
+        raise RecipeError(f"{path}: expected {kind}, got {type(value).__name__} {value!r}")
+
+
+def _validate_model(spec: ModelSpec, where: str) -> None:
+    if spec.dtype not in DTYPES:
+        raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
+    if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
+        raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
+    if spec.mx_lowering not in MX_LOWERINGS:
+        raise RecipeError(f"{where}.mx_lowering: {spec.mx_lowering!r} is not one of {MX_LOWERINGS}")
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Cross-field checks that a single type annotation cannot express."""
+    _validate_model(recipe.tlm, "tlm")
+    if recipe.dlm is not None:
+        _validate_model(recipe.dlm, "dlm")
+    if recipe.target not in TARGETS:
+        raise RecipeError(f"target: {recipe.target!r} is not one of {TARGETS}")
+    for key in ("k", "prefill_chunk", "context_length", "max_prompt_length", "max_new_tokens"):
+        if getattr(recipe, key) < 1:
+            raise RecipeError(f"{key}: must be >= 1, got {getattr(recipe, key)}")
+    if recipe.batch_size != 1:
+        raise RecipeError(f"batch_size: only 1 is supported for now, got {recipe.batch_size}")
+    if recipe.max_prompt_length >= recipe.context_length:
+        raise RecipeError("max_prompt_length must be smaller than context_length")
+    if recipe.prefill_chunk > recipe.context_length:
+        raise RecipeError("prefill_chunk must not exceed context_length")
+    if recipe.speculative and recipe.dlm is None:
+        raise RecipeError("speculative = true needs a [dlm] table")
+    s = recipe.sampling
+    if not (s.temperature > 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
+        raise RecipeError("sampling: need temperature > 0, top_k >= 0 and 0 < top_p <= 1")
+    return recipe
+
+
+def recipe_from_dict(data: dict[str, Any], where: str = "recipe") -> Recipe:
+    return validate(_build(Recipe, data, where))
+
+
+def load_recipe_file(path: Path) -> Recipe:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    return recipe_from_dict(data, where=str(path))

@@ -1,0 +1,1 @@
+"""Traces Hugging Face causal LMs into fixed-shape ONNX graphs with an explicit KV cache."""

@@ -1,0 +1,50 @@
+"""`python -m export --recipe NAME [--tlm DIR] [--dlm DIR] [--out DIR]`: export and compile."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from common.recipe import RecipeError
+from export.loader import ModelNotFoundError, is_available
+from recipes import DEFAULT_RECIPE, get_recipe, recipe_names
+
+
+def _list() -> None:
+    for name in recipe_names():
+        r = get_recipe(name)
+        refs = [r.tlm.model] + ([r.dlm.model] if r.dlm else [])
+        state = "ready" if all(is_available(m) for m in refs) else "weights missing"
+        print(f"{name:20s} {state:16s} {r.description}")
+        for m in refs:
+            print(f"{'':20s}   {'ok     ' if is_available(m) else 'MISSING'} {m}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .toml path (default {DEFAULT_RECIPE})")
+    p.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
+    p.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
+    p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
+    p.add_argument("--list-recipes", action="store_true", help="list recipes and whether their weights are here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.list_recipes:
+        _list()
+        return 0
+    from export.pipeline import VocabularyMismatchError, build_artifact
+
+    try:
+        recipe = get_recipe(args.recipe)
+        out = args.out or Path("artifacts") / recipe.name
+        path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet)
+    except (RecipeError, ModelNotFoundError, VocabularyMismatchError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"compiled artifact: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Resolves a model reference to a local checkpoint folder and loads it, offline only.
+
+A reference is a local folder, a Hugging Face id already in the local cache, or `builtin:NAME`
+(the embedded default pair, built on first use). Nothing is downloaded: a missing model is an
+error that says where we looked and how to supply it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model reference that does not resolve to a local checkpoint."""
+
+
+def hf_cache_dir() -> Path:
+    if "HF_HUB_CACHE" in os.environ:
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return home / "hub"
+
+
+def resolve_model_dir(reference: str, role: str = "model") -> Path:
+    """Map a reference to a local folder holding config.json, or raise ModelNotFoundError."""
+    if reference.startswith("builtin:"):
+        from recipes.default_pair import builtin_model_dir
+
+        return builtin_model_dir(reference.removeprefix("builtin:"))
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{role} folder {path} has no config.json: not a Hugging Face checkpoint")
+        return path
+    snapshots = hf_cache_dir() / f"models--{reference.replace('/', '--')}" / "snapshots"
+    if snapshots.is_dir():
+        for snap in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+            if (snap / "config.json").is_file():
+                return snap
+    raise ModelNotFoundError(
+        f"{role} {reference!r} is not available offline: it is neither a local folder nor in the "
+        f"Hugging Face cache ({snapshots.parent}). Download it on a machine with network access "
+        f"(`huggingface-cli download {reference}`) and copy the cache, or pass a local checkpoint "
+        f"folder with --{role.lower()} DIR."
+    )
+
+
+def is_available(reference: str) -> bool:
+    if reference.startswith("builtin:"):
+        return True
+    try:
+        resolve_model_dir(reference)
+    except ModelNotFoundError:
+        return False
+    return True
+
+
+def check_supported(config: PretrainedConfig, context_length: int) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and context_length > window:
+        raise ValueError(
+            f"context length {context_length} exceeds the model's sliding window {window}; "
+            "sliding-window masks are not built by the host yet"
+        )
+
+
+def load_model(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    check_supported(config, context_length)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval()

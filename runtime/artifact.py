@@ -1,0 +1,60 @@
+"""Loads a compiled artifact once (checked against its manifest) for repeated generation calls."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from common.manifest import ArtifactError, Manifest, read_manifest
+from compiler.targets import check_target
+from runtime.model_runner import ModelRunner
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: Manifest
+    tokenizer: PreTrainedTokenizerBase
+    runners: dict[str, ModelRunner]
+    load_seconds: float
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def tlm(self) -> ModelRunner:
+        return self.runners["tlm"]
+
+    @property
+    def dlm(self) -> ModelRunner:
+        if "dlm" not in self.runners:
+            raise ArtifactError(f"artifact {self.path} has no draft model; speculative decoding needs one")
+        return self.runners["dlm"]
+
+
+def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None) -> Artifact:
+    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError)."""
+    start = time.perf_counter()
+    path = Path(path)
+    manifest = read_manifest(path, verify=verify)
+    check_target(manifest.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path / manifest.tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
+    runners = {
+        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads)
+        for role, entry in manifest.models.items()
+    }
+    eos = set(manifest.models["tlm"].eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Artifact(
+        path=path,
+        manifest=manifest,
+        tokenizer=tokenizer,
+        runners=runners,
+        load_seconds=time.perf_counter() - start,
+        eos_token_ids=frozenset(eos),
+    )

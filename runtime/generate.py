@@ -1,0 +1,224 @@
+"""Generation: the public entry points and the autoregressive hot loop.
+
+`generate()` returns a GenerationResult; `stream()` yields text as it is produced. Both run the
+same token generator (autoregressive here, speculative in runtime/speculative.py), and the
+stopping rules (EOS, max_new_tokens, stop strings, a full context) live in one place: `Generation`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.artifact import Artifact, load_artifact
+from runtime.sampling import SamplingParams, sample, warp
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that does not fit the artifact's context length or prompt limit."""
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0  # prefill + first token
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    e2e_tokens_per_s: float = 0.0
+    load_s: float = 0.0
+    speculative: dict = field(default_factory=dict)  # filled by speculative decoding
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos", "length" or "stop"
+    metrics: Metrics
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if not params.do_sample:
+        return int(np.argmax(logits))
+    return int(sample(warp(logits, params), rng))
+
+
+def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rng) -> Iterator[int]:
+    """The hot loop: prefill, then one decode call per token until the context is full."""
+    tlm = art.tlm
+    tlm.rewind(0)
+    token = next_token(tlm.prefill(prompt), params, rng)
+    while True:
+        yield token
+        if tlm.length >= tlm.context:
+            return
+        token = next_token(tlm.forward("decode", np.array([token]))[0], params, rng)
+
+
+class Generation:
+    """One generation: iterate for token ids as they come; `.result` is set when it ends."""
+
+    def __init__(
+        self,
+        art: Artifact,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int | None,
+        stop: Sequence[str],
+        speculative: bool,
+        draft_params: SamplingParams | None,
+    ) -> None:
+        self.art, self.prompt_ids, self.max_new_tokens = art, prompt_ids, max_new_tokens
+        self.params, self.stop, self.speculative = params, tuple(stop), speculative
+        self.draft_params = draft_params or params
+        self.rng = np.random.default_rng(seed)
+        self.result: GenerationResult | None = None
+        self.stats: dict = {}
+
+    def _tokens(self) -> Iterator[int]:
+        prompt = np.asarray(self.prompt_ids, dtype=np.int64)
+        if not self.speculative:
+            return autoregressive(self.art, prompt, self.params, self.rng)
+        from runtime.speculative import speculative
+
+        return speculative(self.art, prompt, self.params, self.draft_params, self.rng, self.stats)
+
+    def _hit_stop(self, ids: list[int]) -> bool:
+        if not self.stop:
+            return False
+        tail = self.art.tokenizer.decode(ids[-32:], skip_special_tokens=True)
+        return any(s in tail for s in self.stop)
+
+    def __iter__(self) -> Iterator[int]:
+        start = time.perf_counter()
+        ids: list[int] = []
+        finish, ttft = "length", 0.0
+        tokens = self._tokens()
+        for token in tokens:
+            if not ids:
+                ttft = time.perf_counter() - start
+            ids.append(token)
+            yield token
+            if token in self.art.eos_token_ids:
+                finish = "eos"
+                break
+            if self._hit_stop(ids):
+                finish = "stop"
+                break
+            if len(ids) >= self.max_new_tokens:
+                break
+        tokens.close()
+        total = time.perf_counter() - start
+        decode = total - ttft
+        metrics = Metrics(
+            prompt_tokens=len(self.prompt_ids),
+            new_tokens=len(ids),
+            ttft_s=ttft,
+            decode_s=decode,
+            total_s=total,
+            decode_tokens_per_s=(len(ids) - 1) / decode if decode > 0 and len(ids) > 1 else 0.0,
+            e2e_tokens_per_s=len(ids) / total if total > 0 else 0.0,
+            load_s=self.art.load_seconds,
+            speculative=self.stats,
+        )
+        text = self.art.tokenizer.decode(ids, skip_special_tokens=True)
+        self.result = GenerationResult(ids, text, finish, metrics)
+
+
+def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None = None) -> list[int]:
+    if not isinstance(prompt, str):
+        ids = [int(t) for t in prompt]
+    else:
+        chat = art.manifest.recipe.get("chat_template", False) if chat is None else chat
+        tok = art.tokenizer
+        if chat and tok.chat_template:
+            ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False))
+        else:
+            ids = tok(prompt)["input_ids"]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    vocab = art.manifest.models["tlm"].dims.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
+    limit = art.manifest.context_length - 1
+    if len(ids) > limit:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens but the artifact's context length "
+            f"{art.manifest.context_length} leaves room for at most {limit} (plus one generated "
+            "token); shorten the prompt or export with a longer context_length"
+        )
+    return ids
+
+
+def start_generation(
+    artifact: str | Path | Artifact,
+    prompt: str | Sequence[int],
+    max_new_tokens: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    speculative: bool | None = None,
+    draft_sampling: SamplingParams | None = None,
+    chat: bool | None = None,
+) -> Generation:
+    """Validate everything up front (so bad input fails before any work) and set up a Generation."""
+    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    if max_new_tokens is None:
+        max_new_tokens = int(art.manifest.recipe.get("max_new_tokens", 128))
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(stop, str):
+        stop = (stop,)
+    if speculative is None:
+        speculative = bool(art.manifest.recipe.get("speculative", False)) and "dlm" in art.runners
+    if speculative:
+        art.dlm  # noqa: B018 - raises a clear error when the artifact has no draft model
+    ids = encode_prompt(art, prompt, chat)
+    return Generation(art, ids, max_new_tokens, params, seed, stop, speculative, draft_sampling)
+
+
+def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+    """Generate from a compiled artifact (a path, or an Artifact from load_artifact for reuse).
+
+    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop, speculative,
+    draft_sampling, chat (see start_generation).
+    """
+    gen = start_generation(artifact, prompt, **kwargs)
+    for _ in gen:
+        pass
+    assert gen.result is not None
+    return gen.result
+
+
+def stream(
+    artifact: str | Path | Artifact,
+    prompt: str | Sequence[int],
+    on_done: Callable[[GenerationResult], None] | None = None,
+    **kwargs,
+) -> Iterator[str]:
+    """Yield decoded text pieces as tokens are produced (same keywords as generate())."""
+    gen = start_generation(artifact, prompt, **kwargs)
+    tok = gen.art.tokenizer
+    ids: list[int] = []
+    shown = ""
+    for token in gen:
+        ids.append(token)
+        text = tok.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            continue
+        yield text[len(shown):]
+        shown = text
+    if on_done is not None and gen.result is not None:
+        on_done(gen.result)

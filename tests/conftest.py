@@ -1,0 +1,94 @@
+"""Tiny models built from configs with fixed seeds, saved as local checkpoints; never downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from common.recipe import ModelSpec, Recipe
+from export.pipeline import build_artifact
+
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with no merges: 256 byte tokens plus 4 specials, instant to build."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL.values()) + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+    return fast
+
+
+VOCAB = 260
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=3)
+CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    "llama-tied": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4,
+                                      tie_word_embeddings=True, **COMMON),
+    "mistral": lambda: MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=4096,
+                                     **COMMON),
+    "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    "draft": lambda: LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, **COMMON),
+}
+
+
+def make_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy paths are decisive.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    make_model(kind, seed).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def tiny_recipe(**overrides) -> Recipe:
+    fields = dict(
+        name="tiny-test", tlm=ModelSpec(model="unused"), dlm=ModelSpec(model="unused"), k=3,
+        prefill_chunk=8, context_length=96, max_prompt_length=64, max_new_tokens=64,
+        speculative=False,
+    )
+    fields.update(overrides)
+    return Recipe(**fields)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {kind: save_checkpoint(kind, root / kind, seed=i) for i, kind in enumerate(CONFIGS)}
+
+
+@pytest.fixture(scope="session")
+def artifact_dir(tmp_path_factory, checkpoints) -> Path:
+    """A compiled TLM (llama-gqa) + DLM (draft) artifact shared by the runtime tests."""
+    out = tmp_path_factory.mktemp("art") / "tiny"
+    return build_artifact(
+        tiny_recipe(), out, tlm=str(checkpoints["llama-gqa"]), dlm=str(checkpoints["draft"]),
+        progress=False,
+    )

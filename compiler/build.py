@@ -80,6 +80,7 @@ def compile_artifact(
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    staging.chmod(0o755)
     try:
         models = {
             role: _compile_model(Path(d), staging / role, recipe.target, progress)

@@ -10,6 +10,7 @@ measured: MEASURED_S s for 4096x11008 on this 2-core machine; 7B model extrapola
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -214,19 +215,21 @@ def quantize(
     ax = axis % arr.ndim
     work = _work_dtype(arr.dtype)
 
-    moved = np.moveaxis(arr, ax, -1)
-    length = moved.shape[-1]
-    lead = moved.shape[:-1]
+    # Work in the input's own layout, viewed as [pre, length, post]: moving the blocked axis
+    # last is done on the uint8 codes at the end, a quarter of the bytes of a float32 transpose.
+    shape = tuple(arr.shape)
+    length = shape[ax]
+    pre, post = math.prod(shape[:ax]), math.prod(shape[ax + 1 :])
     nblocks = -(-length // block_size)
     padded_len = nblocks * block_size
-    # One copy: cast and zero-pad in place (pad zeros never change amax, and encode to code 0).
-    blocks = np.zeros((*lead, padded_len), dtype=work)
-    blocks[..., :length] = moved
-    blocks = blocks.reshape(*lead, nblocks, block_size)
+    # One copy: cast and zero-pad (pad zeros never change amax, and encode to code 0).
+    blocks = np.zeros((pre, padded_len, post), dtype=work)
+    blocks[:, :length] = arr.reshape(pre, length, post)
+    blocks = blocks.reshape(pre, nblocks, block_size, post)
 
     neg = np.signbit(blocks)
     y = np.abs(blocks, out=blocks)  # in place: one full-size buffer less
-    amax = y.max(axis=-1)  # NaN propagates, Inf stays: one cheap per-block check
+    amax = y.max(axis=2)  # NaN propagates, Inf stays: one cheap per-block check
     if not np.isfinite(amax).all():
         raise _nonfinite_error(arr, name)
 
@@ -237,29 +240,35 @@ def quantize(
     scales = (shared + _SCALE_BIAS).astype(np.uint8)
     # y = |v| / 2^shared, exact (power-of-two multiply; underflow only hits values far below
     # the element grid's smallest step, which round to 0 either way).
-    y *= np.ldexp(work(1), -shared)[..., None]
-    codes = _encode(y, neg, spec, rounding)
+    y *= np.ldexp(work(1), -shared)[:, :, None, :]
+    codes = _encode(y, neg, spec, rounding).reshape(pre, padded_len, post)
+
+    lead = shape[:ax] + shape[ax + 1 :]
     return MXTensor(
-        codes=codes.reshape(*lead, padded_len),
-        scales=scales,
+        codes=np.ascontiguousarray(codes.transpose(0, 2, 1)).reshape(*lead, padded_len),
+        scales=np.ascontiguousarray(scales.transpose(0, 2, 1)).reshape(*lead, nblocks),
         fmt=fmt,
         axis=ax,
         block_size=block_size,
-        shape=tuple(arr.shape),
+        shape=shape,
     )
 
 
 def dequantize(t: MXTensor, dtype: type = np.float32) -> np.ndarray:
     """Decode back to the original shape and axis order (padding dropped)."""
     work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    lead = t.codes.shape[:-1]
+    ax, shape, bs = t.axis, t.shape, t.block_size
+    pre, post = math.prod(shape[:ax]), math.prod(shape[ax + 1 :])
     nblocks = t.scales.shape[-1]
-    scale = np.ldexp(work(1), t.scales.astype(np.int32) - _SCALE_BIAS)
-    scale = np.where(t.scales == _SCALE_NAN, work(np.nan), scale)
-    vals = _table(t.fmt, work)[t.codes].reshape(*lead, nblocks, t.block_size)
-    vals *= scale[..., None]
-    vals = vals.reshape(*lead, nblocks * t.block_size)[..., : t.shape[t.axis]]
-    return np.ascontiguousarray(np.moveaxis(vals, -1, t.axis), dtype=dtype)
+    # Undo the axis move on the uint8 codes (cheap) so the float output is written in place.
+    codes = t.codes.reshape(pre, post, nblocks * bs).transpose(0, 2, 1)
+    scales = t.scales.reshape(pre, post, nblocks).transpose(0, 2, 1)
+    scale = np.ldexp(work(1), scales.astype(np.int32) - _SCALE_BIAS)
+    scale[scales == _SCALE_NAN] = np.nan  # E8M0 0xFF is NaN
+    vals = _table(t.fmt, work)[codes].reshape(pre, nblocks, bs, post)
+    vals *= scale[:, :, None, :]
+    vals = vals.reshape(pre, nblocks * bs, post)[:, : shape[ax]]
+    return np.ascontiguousarray(vals, dtype=dtype).reshape(shape)
 
 
 def fake_quantize(

@@ -220,5 +220,7 @@ def stream(
             continue
         yield text[len(shown):]
         shown = text
+    if gen.result is not None and len(gen.result.text) > len(shown):
+        yield gen.result.text[len(shown):]  # a trailing incomplete character, shown as decoded
     if on_done is not None and gen.result is not None:
         on_done(gen.result)

@@ -1,0 +1,59 @@
+"""`python -m runtime ARTIFACT --prompt TEXT`: generate from a compiled artifact and print metrics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.manifest import ArtifactError
+from compiler.targets import TargetUnavailableError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime", description=__doc__)
+    p.add_argument("artifact", help="compiled artifact folder (from python -m export)")
+    p.add_argument("--prompt", help="prompt text (default: the recipe's first prompt)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    spd = p.add_mutually_exclusive_group()
+    spd.add_argument("--speculative", dest="speculative", action="store_true", default=None)
+    spd.add_argument("--no-speculative", dest="speculative", action="store_false")
+    p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    args = p.parse_args(argv)
+
+    from runtime import load_artifact, stream
+
+    try:
+        art = load_artifact(args.artifact)
+        prompts = art.manifest.recipe.get("prompts") or ["def main():\n"]
+        prompt = args.prompt if args.prompt is not None else prompts[0]
+        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative)
+        results = []
+        print(prompt, end="", flush=True)
+        text = "".join(
+            piece if args.no_stream else print(piece, end="", flush=True) or piece
+            for piece in stream(art, prompt, on_done=results.append, **kw)
+        )
+    except (ArtifactError, TargetUnavailableError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.no_stream:
+        print(text, end="")
+    r = results[0]
+    m = r.metrics
+    print(f"\n\n[{r.finish_reason}] {m.new_tokens} tokens | load {m.load_s:.2f}s | TTFT {m.ttft_s * 1e3:.1f} ms"
+          f" | decode {m.decode_tokens_per_s:.1f} tok/s | end-to-end {m.e2e_tokens_per_s:.1f} tok/s")
+    if m.speculative:
+        s = m.speculative
+        print(f"speculative: acceptance {s['acceptance_rate']:.2f} | mean accepted length "
+              f"{s['mean_accepted_length']:.2f} | TLM calls {s['tlm_calls']} | DLM calls {s['dlm_calls']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

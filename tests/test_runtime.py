@@ -1,0 +1,120 @@
+"""The autoregressive runtime against transformers, and its handling of limits and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import runtime
+from runtime.generate import PromptTooLongError
+
+
+@pytest.fixture(scope="module")
+def art(artifact_dir):
+    return runtime.load_artifact(artifact_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoints):
+    return AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"], attn_implementation="eager").eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, pad_token_id=3,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+# prompt lengths around the prefill chunk (8): below, at, just past, several chunks
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 17, 30])
+def test_greedy_matches_transformers_generate(art, hf_model, length):
+    rng = np.random.default_rng(length)
+    prompt = [0] + rng.integers(4, 260, length - 1).tolist() if length > 1 else [0]
+    ours = runtime.generate(art, prompt, max_new_tokens=64, speculative=False)
+    ref = hf_greedy(hf_model, prompt, 64)
+    assert ours.token_ids == ref
+    assert ours.finish_reason == ("eos" if ref[-1] == 1 else "length")
+    assert len(ours.token_ids) == 64 or ours.finish_reason == "eos"
+
+
+def test_text_prompt_and_metrics(art):
+    r = runtime.generate(art, "def f(x):\n", max_new_tokens=10, speculative=False)
+    assert r.text == art.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    m = r.metrics
+    assert m.prompt_tokens == len(art.tokenizer("def f(x):\n")["input_ids"])
+    assert m.new_tokens == len(r.token_ids)
+    assert m.ttft_s > 0 and m.total_s >= m.ttft_s and m.e2e_tokens_per_s > 0
+
+
+def test_stream_yields_the_same_text(art):
+    done = []
+    pieces = list(runtime.stream(art, "abc", max_new_tokens=12, speculative=False, on_done=done.append))
+    assert "".join(pieces) == done[0].text
+    assert len(pieces) >= 2
+
+
+def test_context_limit_ends_with_length(art):
+    c = art.manifest.context_length
+    prompt = [0] + [65] * (c - 11)
+    r = runtime.generate(art, prompt, max_new_tokens=500, speculative=False)
+    assert r.finish_reason in ("length", "eos")
+    if r.finish_reason == "length":
+        assert len(prompt) + len(r.token_ids) == c + 1  # every slot used, plus the final token
+    assert art.tlm.length <= c
+
+
+def test_prompt_too_long_is_a_clear_error(art):
+    c = art.manifest.context_length
+    with pytest.raises(PromptTooLongError, match="context length"):
+        runtime.generate(art, [5] * c)
+    with pytest.raises(ValueError, match="empty"):
+        runtime.generate(art, [])
+    with pytest.raises(ValueError, match="token ids"):
+        runtime.generate(art, [5, 100000])
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(do_sample=True, temperature=-1.0), "temperature"),
+    (dict(do_sample=True, temperature=0.0), "temperature"),
+    (dict(do_sample=True, top_p=0.0), "top_p"),
+    (dict(do_sample=True, top_p=1.5), "top_p"),
+    (dict(do_sample=True, top_k=-2), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_sampling_parameters(art, kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        runtime.generate(art, "x", **kwargs)
+
+
+def test_sampling_is_reproducible_with_a_seed(art):
+    kw = dict(max_new_tokens=24, do_sample=True, temperature=1.3, top_k=50, top_p=0.95, speculative=False)
+    a = runtime.generate(art, "import", seed=11, **kw)
+    b = runtime.generate(art, "import", seed=11, **kw)
+    c = runtime.generate(art, "import", seed=12, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_string(art):
+    full = runtime.generate(art, "a", max_new_tokens=20, speculative=False)
+    stop = full.text[3:5]
+    r = runtime.generate(art, "a", max_new_tokens=20, speculative=False, stop=[stop])
+    assert r.finish_reason == "stop" and stop in r.text and len(r.token_ids) <= len(full.token_ids)
+
+
+def test_rewind_forgets_tokens(art):
+    """After a rewind, new tokens see exactly what they would have seen without the detour."""
+    tlm = art.tlm
+    tlm.rewind(0)
+    tlm.prefill(np.array([0, 70, 71, 72]))
+    straight = tlm.forward("decode", np.array([80])).copy()
+    tlm.rewind(4)
+    tlm.forward("score", np.array([90, 91, 92]))
+    tlm.rewind(4)
+    again = tlm.forward("decode", np.array([80]))
+    np.testing.assert_array_equal(straight, again)

@@ -1,0 +1,240 @@
+"""Speculative decoding through the real compiled runtime (the MRS math itself: test_rejection.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats as sps
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import runtime
+import runtime.speculative as spd_module
+from export.pipeline import build_artifact
+from runtime.model_runner import ModelRunner
+from tests.conftest import byte_tokenizer, tiny_recipe
+
+
+def noisy_copy(src, dst, scale: float, seed: int):
+    """A draft that agrees with the target often but not always."""
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    model.save_pretrained(dst)
+    byte_tokenizer().save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def arts(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spd")
+    dlm = noisy_copy(checkpoints["llama-gqa"], root / "noisy", 0.35, seed=1)
+    out = {}
+    for k in (1, 3, 7):
+        path = build_artifact(tiny_recipe(k=k, context_length=64, name=f"k{k}"), root / f"k{k}",
+                              tlm=str(checkpoints["llama-gqa"]), dlm=str(dlm), progress=False)
+        out[k] = runtime.load_artifact(path)
+    return out
+
+
+def greedy_pair(art, prompt, n):
+    ar = runtime.generate(art, prompt, max_new_tokens=n, speculative=False)
+    sd = runtime.generate(art, prompt, max_new_tokens=n, speculative=True)
+    return ar, sd
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_spd_equals_greedy_tlm_into_the_context_limit(arts, k):
+    art = arts[k]
+    for length in (1, 5, 20, 50):
+        prompt = [0] + list(range(40, 40 + length - 1))
+        ar, sd = greedy_pair(art, prompt, 200)
+        assert sd.token_ids == ar.token_ids
+        assert sd.finish_reason == ar.finish_reason == "length"
+        assert len(prompt) + len(sd.token_ids) == 65  # ran into the 64-slot context
+    s = sd.metrics.speculative
+    assert 0 < s["acceptance_rate"] < 1  # a real mix of accepts and rejections
+    # every token is the prefill's, or an accepted draft, or a round's correction/bonus, or the
+    # one plain decode step that fills the last slot
+    assert len(sd.token_ids) - 1 - s["rounds"] - s["accepted"] in (0, 1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(k=st.sampled_from([1, 3, 7]), prompt=st.lists(st.integers(4, 259), min_size=1, max_size=30),
+       n=st.integers(1, 40))
+def test_greedy_equivalence_property(arts, k, prompt, n):
+    ar, sd = greedy_pair(arts[k], prompt, n)
+    assert sd.token_ids == ar.token_ids and sd.finish_reason == ar.finish_reason
+
+
+def test_eos_inside_an_accepted_prefix_ends_generation(arts):
+    art = arts[7]
+    prompt = [0, 50, 60, 70]
+    ref = runtime.generate(art, prompt, max_new_tokens=40, speculative=False).token_ids
+    eos = ref[len(ref) // 2]  # declare a token the greedy path emits mid-way to be EOS
+    saved = art.eos_token_ids
+    art.eos_token_ids = frozenset({eos})
+    try:
+        ar, sd = greedy_pair(art, prompt, 40)
+    finally:
+        art.eos_token_ids = saved
+    assert sd.token_ids == ar.token_ids == ref[: ref.index(eos) + 1]
+    assert sd.finish_reason == ar.finish_reason == "eos"
+
+
+def test_dlm_equal_to_tlm_accepts_every_draft(checkpoints, tmp_path):
+    k = 3
+    path = build_artifact(tiny_recipe(k=k), tmp_path / "same", tlm=str(checkpoints["llama-gqa"]),
+                          dlm=str(checkpoints["llama-gqa"]), progress=False)
+    art = runtime.load_artifact(path)
+    for kw in (dict(), dict(do_sample=True, temperature=0.8, seed=3)):
+        r = runtime.generate(art, [0, 9, 8, 7], max_new_tokens=4 * (k + 1) + 1, speculative=True, **kw)
+        s = r.metrics.speculative
+        assert s["acceptance_rate"] == 1.0
+        assert s["mean_accepted_length"] == k + 1
+
+
+def test_same_seed_same_output_and_seed_matters(arts):
+    kw = dict(max_new_tokens=30, do_sample=True, temperature=1.0, top_p=0.9, speculative=True)
+    a = runtime.generate(arts[3], [0, 5, 6], seed=5, **kw)
+    b = runtime.generate(arts[3], [0, 5, 6], seed=5, **kw)
+    c = runtime.generate(arts[3], [0, 5, 6], seed=6, **kw)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_valid_cache_after_rejections_equals_autoregressive_cache(arts):
+    art = arts[7]
+    r = runtime.generate(art, [0, 11, 12, 13], max_new_tokens=30, do_sample=True, temperature=1.2, seed=9,
+                         speculative=True)
+    s = r.metrics.speculative
+    assert s["accepted"] < s["drafted"]  # at least one rejection happened
+    committed = np.array([0, 11, 12, 13] + r.token_ids[:-1])
+    for role in ("tlm", "dlm"):
+        live = art.runners[role]
+        fresh = ModelRunner(art.path, art.manifest.models[role], art.manifest.context_length)
+        fresh.prefill(committed[: live.length])
+        assert fresh.length == live.length >= len(committed) - 2
+        for a, b in zip(live.cache, fresh.cache):
+            np.testing.assert_allclose(a[:, :, : live.length], b[:, :, : live.length], atol=1e-5)
+
+
+# --- the emitted distribution, end to end, on tiny-vocabulary models --------------------------
+
+V, N_POS, SAMPLES = 8, 3, 3000
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v8")
+    dirs = {}
+    for role, seed in (("tlm", 21), ("dlm", 22)):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=None,
+                          max_position_embeddings=64)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20.0)  # peaked, context-dependent distributions
+        model.save_pretrained(root / role)
+        byte_tokenizer().save_pretrained(root / role)
+        dirs[role] = root / role
+    path = build_artifact(tiny_recipe(k=2, context_length=16), root / "art", tlm=str(dirs["tlm"]),
+                          dlm=str(dirs["dlm"]), progress=False)
+    art = runtime.load_artifact(path)
+    art.eos_token_ids = frozenset()
+    tlm = AutoModelForCausalLM.from_pretrained(dirs["tlm"]).eval()
+    return art, tlm
+
+
+def exact_marginals(tlm, prompt, params):
+    """P(token at position i) under the warped TLM, by enumerating every prefix (V^2 of them)."""
+    from runtime.sampling import warp
+
+    out = np.zeros((N_POS, V))
+    frontier = {(): 1.0}
+    for pos in range(N_POS):
+        nxt = {}
+        for prefix, prob in frontier.items():
+            with torch.no_grad():
+                logits = tlm(torch.tensor([prompt + list(prefix)])).logits[0, -1].numpy()
+            p = warp(logits.astype(np.float64), params)
+            out[pos] += prob * p
+            for t in np.nonzero(p)[0]:
+                nxt[prefix + (int(t),)] = prob * p[t]
+        frontier = nxt
+    return out
+
+
+def emitted_counts(art, prompt, kw, seed0=0):
+    counts = np.zeros((N_POS, V))
+    for s in range(SAMPLES):
+        ids = runtime.generate(art, prompt, max_new_tokens=N_POS, speculative=True, seed=seed0 + s, **kw).token_ids
+        counts[np.arange(N_POS), ids] += 1
+    return counts
+
+
+def min_p_value(counts, exact):
+    worst = 1.0
+    for pos in range(N_POS):
+        keep = exact[pos] > 0
+        if counts[pos][~keep].sum() > 0:
+            return 0.0  # a token the TLM can never emit
+        if keep.sum() > 1:
+            worst = min(worst, sps.chisquare(counts[pos][keep], exact[pos][keep] * SAMPLES).pvalue)
+    return worst
+
+
+WARPS = [
+    dict(do_sample=True, temperature=1.0),
+    dict(do_sample=True, temperature=0.7, top_k=4),
+    dict(do_sample=True, temperature=1.3, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("kw", WARPS, ids=["t1", "t0.7-topk4", "t1.3-topp0.8"])
+def test_emitted_distribution_matches_the_tlm(tiny_vocab, kw):
+    art, tlm = tiny_vocab
+    prompt = [0, 3]
+    exact = exact_marginals(tlm, prompt, runtime.SamplingParams(**kw))
+    counts = emitted_counts(art, prompt, kw)
+    assert min_p_value(counts, exact) > 1e-3
+    assert np.abs(counts / SAMPLES - exact).max() < 0.04
+
+
+def test_negative_control_always_accept_fails(tiny_vocab, monkeypatch):
+    art, tlm = tiny_vocab
+    kw = WARPS[0]
+    exact = exact_marginals(tlm, [0, 3], runtime.SamplingParams(**kw))
+
+    def always_accept(draft, q, p, rng):
+        n = np.full(draft.shape[0], draft.shape[1])
+        return n, runtime.sampling.sample(p[:, -1], rng)
+
+    monkeypatch.setattr(spd_module, "rejection_sample", always_accept)
+    counts = emitted_counts(art, [0, 3], kw)
+    assert min_p_value(counts, exact) < 1e-6
+
+
+def test_draft_sampling_may_differ_from_target(tiny_vocab):
+    """A greedy DLM under a sampling TLM: q is one-hot, and the output is still the TLM's."""
+    art, tlm = tiny_vocab
+    kw = dict(do_sample=True, temperature=1.0)
+    exact = exact_marginals(tlm, [0, 3], runtime.SamplingParams(**kw))
+    greedy_draft = runtime.SamplingParams()
+    counts = emitted_counts(art, [0, 3], kw | dict(draft_sampling=greedy_draft), seed0=10**6)
+    assert min_p_value(counts, exact) > 1e-3
+
+
+def test_spd_metrics_are_consistent(arts):
+    r = runtime.generate(arts[3], [0, 1, 2, 3], max_new_tokens=20, speculative=True)
+    s = r.metrics.speculative
+    assert s["rounds"] * 3 >= s["drafted"] and s["accepted"] <= s["drafted"]
+    assert abs(s["mean_accepted_length"] - (1 + s["accepted"] / s["rounds"])) < 1e-12
+    assert len(s["per_position_acceptance"]) == 3 and s["predicted_speedup"] > 0
+    assert s["dlm_calls"] > 0 and s["tlm_calls"] >= s["rounds"]
+
+

@@ -33,8 +33,15 @@ class Artifact:
         return self.runners["dlm"]
 
 
-def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None) -> Artifact:
-    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError)."""
+def load_artifact(
+    path: str | Path, verify: bool = True, threads: int | None = None, share_weights: bool = True
+) -> Artifact:
+    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError).
+
+    share_weights=True keeps one memory-mapped copy of each model's weights for all its graphs;
+    False lets ONNX Runtime prepack a private copy per graph: more memory, faster matmuls
+    (measured in docs/benchmarks.md).
+    """
     start = time.perf_counter()
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
@@ -44,7 +51,7 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
-        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads)
+        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads, share_weights)
         for role, entry in manifest.models.items()
     }
     eos = set(manifest.models["tlm"].eos_token_ids)

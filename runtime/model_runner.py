@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from common import graph_io
@@ -37,6 +38,37 @@ def _bind(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = F
     (binding.bind_output if output else binding.bind_input)(*args)
 
 
+class SharedWeights:
+    """One memory-mapped copy of a model's weights, handed to every graph's session.
+
+    Left to itself each ONNX Runtime session reads (and prepacks) its own copy of the external
+    weights, so three graphs cost three copies of memory. Here each external initializer becomes
+    an OrtValue over a read-only memory map of weights.bin, shared by all sessions, and
+    prepacking (which would copy it again per session) is off. See docs/benchmarks.md.
+    """
+
+    DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+              onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32,
+              onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.INT8: np.int8}
+
+    def __init__(self, weights: Path) -> None:
+        self.map = np.memmap(weights, dtype=np.uint8, mode="r")
+        self.values: dict[str, ort.OrtValue] = {}
+
+    def attach(self, graph: Path, so: ort.SessionOptions) -> None:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            if t.name not in self.values:
+                info = {e.key: e.value for e in t.external_data}
+                dtype = np.dtype(self.DTYPES[t.data_type])
+                arr = np.frombuffer(self.map, dtype=dtype, count=int(info["length"]) // dtype.itemsize,
+                                    offset=int(info["offset"])).reshape(tuple(t.dims))
+                self.values[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            so.add_initializer(t.name, self.values[t.name])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -45,6 +77,7 @@ class ModelRunner:
         context_length: int,
         target: str = "ort-cpu",
         threads: int | None = None,
+        share_weights: bool = True,
     ) -> None:
         self.dims = entry.dims
         self.context = context_length
@@ -52,6 +85,7 @@ class ModelRunner:
         kv_shape = (1, d.n_kv_heads, context_length, d.head_dim)
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
+        self._shared = SharedWeights(Path(artifact_dir) / entry.weights) if share_weights else None
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
             for name, g in entry.graphs.items()
@@ -59,7 +93,8 @@ class ModelRunner:
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = session_options(threads)
-        so.add_session_config_entry("session.use_mmap_for_external_initializers", "1")
+        if self._shared is not None:
+            self._shared.attach(path, so)
         session = ort.InferenceSession(str(path), so, providers=PROVIDERS[target])
         d, c = self.dims, self.context
         g = _BoundGraph(
@@ -109,7 +144,7 @@ class ModelRunner:
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
         g.session.run_with_iobinding(g.binding)
-        for cache, new in zip(self.cache, g.new_kv):
+        for cache, new in zip(self.cache, g.new_kv, strict=False):
             cache[:, :, start : start + n] = new[:, :, :n]
         self.length = start + n
         return g.logits[0, :n]

@@ -62,7 +62,7 @@ def test_prefill_matches_hf_including_new_kv(exported):
              for _ in range(2 * dims.n_layers)]
     logits, new = run_graph(sessions["prefill"], dims, ids, np.arange(8), mask, empty)
     with torch.no_grad():
-        ref = model(torch.tensor([ids]), use_cache=True)
+        ref = model(torch.tensor(ids)[None], use_cache=True)
     assert np.abs(logits - ref.logits[0].numpy()).max() <= TOL
     for i, layer in enumerate(ref.past_key_values.layers):
         assert np.abs(new[2 * i] - layer.keys.numpy()).max() <= TOL

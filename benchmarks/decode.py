@@ -25,8 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import runtime
 from common.recipe import ModelSpec, Recipe
 from export.pipeline import build_artifact
-from recipes.default_pair import cache_root
-from tests.conftest import byte_tokenizer
+from recipes.default_pair import byte_tokenizer, cache_root
 
 TLM = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
            num_key_value_heads=16, vocab_size=32000)
@@ -79,7 +78,7 @@ def time_hf(ckpt, prompt, n):
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=3)
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=3, min_new_tokens=n)
-    return (n - 1) / (time.perf_counter() - t0 - 0.0), out[0, len(prompt):].tolist()
+    return (n - 1) / (time.perf_counter() - t0), out[0, len(prompt):].tolist()
 
 
 def main() -> None:

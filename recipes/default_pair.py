@@ -45,6 +45,18 @@ def stdlib_files(split: str = "train") -> list[Path]:
     return held if split == "heldout" else [f for f in files if f not in held]
 
 
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with no merges (SPECIAL + 256 byte tokens): instant, for tests and benchmarks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL.values()) + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+
+
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_bytes: int = 4_000_000) -> None:
     """Byte-level BPE trained deterministically on the first max_bytes of the training modules."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

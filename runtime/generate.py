@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import Artifact, load_artifact
-from runtime.sampling import SamplingParams, sample, warp
+from runtime.sampling import SamplingParams, next_token
+from runtime.speculative import speculative
 
 
 class PromptTooLongError(ValueError):
@@ -41,12 +42,6 @@ class GenerationResult:
     text: str
     finish_reason: str  # "eos", "length" or "stop"
     metrics: Metrics
-
-
-def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if not params.do_sample:
-        return int(np.argmax(logits))
-    return int(sample(warp(logits, params), rng))
 
 
 def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rng) -> Iterator[int]:
@@ -86,8 +81,6 @@ class Generation:
         prompt = np.asarray(self.prompt_ids, dtype=np.int64)
         if not self.speculative:
             return autoregressive(self.art, prompt, self.params, self.rng)
-        from runtime.speculative import speculative
-
         return speculative(self.art, prompt, self.params, self.draft_params, self.rng, self.stats)
 
     def _hit_stop(self, ids: list[int]) -> bool:

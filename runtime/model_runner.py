@@ -47,26 +47,22 @@ class SharedWeights:
     prepacking (which would copy it again per session) is off. See docs/benchmarks.md.
     """
 
-    DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
-              onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32,
-              onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.INT8: np.int8}
-
     def __init__(self, weights: Path) -> None:
         self.map = np.memmap(weights, dtype=np.uint8, mode="r")
-        self.values: dict[str, ort.OrtValue] = {}
+        self.values: dict[tuple[int, int], ort.OrtValue] = {}  # (offset, length) -> shared value
 
     def attach(self, graph: Path, so: ort.SessionOptions) -> None:
         so.add_session_config_entry("session.disable_prepacking", "1")
         for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            if t.name not in self.values:
-                info = {e.key: e.value for e in t.external_data}
-                dtype = np.dtype(self.DTYPES[t.data_type])
-                arr = np.frombuffer(self.map, dtype=dtype, count=int(info["length"]) // dtype.itemsize,
-                                    offset=int(info["offset"])).reshape(tuple(t.dims))
-                self.values[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
-            so.add_initializer(t.name, self.values[t.name])
+            info = {e.key: e.value for e in t.external_data}
+            key = (int(info["offset"]), int(info["length"]))
+            if key not in self.values:
+                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+                arr = np.frombuffer(self.map, dtype=dtype, count=key[1] // dtype.itemsize, offset=key[0])
+                self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr.reshape(tuple(t.dims)))
+            so.add_initializer(t.name, self.values[key])
 
 
 class ModelRunner:
@@ -85,6 +81,7 @@ class ModelRunner:
         kv_shape = (1, d.n_kv_heads, context_length, d.head_dim)
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
+        self.calls = 0  # graph runs, for metrics
         self._shared = SharedWeights(Path(artifact_dir) / entry.weights) if share_weights else None
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
@@ -144,7 +141,8 @@ class ModelRunner:
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
         g.session.run_with_iobinding(g.binding)
-        for cache, new in zip(self.cache, g.new_kv, strict=False):
+        self.calls += 1
+        for cache, new in zip(self.cache, g.new_kv, strict=True):
             cache[:, :, start : start + n] = new[:, :, :n]
         self.length = start + n
         return g.logits[0, :n]

@@ -108,3 +108,10 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     # u * total can round up to total; clamp to the last token with positive mass.
     last_pos = p.shape[-1] - 1 - np.argmax(p[..., ::-1] > 0, axis=-1)
     return np.minimum(idx, last_pos).astype(np.int64)
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from one row of logits: argmax when greedy (no warp needed), else warp + sample."""
+    if not params.do_sample:
+        return int(np.argmax(logits))
+    return int(sample(warp(logits, params), rng))

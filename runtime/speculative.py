@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from runtime.artifact import Artifact
-from runtime.generate import next_token
 from runtime.rejection import rejection_sample
-from runtime.sampling import SamplingParams, sample, warp
+from runtime.sampling import SamplingParams, next_token, sample, warp
 
 
 class RoundStats:
@@ -25,7 +24,7 @@ class RoundStats:
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self.rounds = self.drafted = self.accepted = self.tlm_calls = self.dlm_calls = 0
+        self.rounds = self.drafted = self.accepted = self.tlm_calls = self.dlm_calls = 0  # calls: set at the end
         self.drafted_at = np.zeros(k, np.int64)
         self.accepted_at = np.zeros(k, np.int64)
         self.tlm_s = self.dlm_s = self.round_s = 0.0
@@ -40,7 +39,7 @@ class RoundStats:
     def summary(self) -> dict:
         a = self.accepted / self.drafted if self.drafted else 0.0
         tlm_step = self.tlm_s / max(self.rounds, 1)
-        dlm_step = self.dlm_s / max(self.dlm_calls, 1)
+        dlm_step = self.dlm_s / max(self.drafted, 1)  # a round makes k DLM calls for k drafts
         c = dlm_step / tlm_step if tlm_step else 0.0
         k = self.k
         predicted = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1 else (k + 1) / (c * k + 1)
@@ -75,18 +74,15 @@ def speculative(
     stats = RoundStats(k_max)
     tlm.rewind(0)
     dlm.rewind(0)
-    chunks = -(-len(prompt) // tlm.graphs["prefill"].tokens)
+    tlm_calls0, dlm_calls0 = tlm.calls, dlm.calls
     token = next_token(tlm.prefill(prompt), params, rng)
     dlm.prefill(prompt)
-    stats.tlm_calls += chunks
-    stats.dlm_calls += chunks
     pending = [token]
     try:
         yield token
         while tlm.length < tlm.context:
             k = min(k_max, tlm.context - 1 - tlm.length)  # scoring uses slots length..length+k
             if k == 0:  # one slot left: a plain decode step ends the sequence
-                stats.tlm_calls += 1
                 yield next_token(tlm.forward("decode", np.array(pending[-1:]))[0], params, rng)
                 return
             t0 = time.perf_counter()
@@ -111,12 +107,11 @@ def speculative(
             dlm.rewind(min(dlm.length, start + 1 + n_acc))
             pending = [int(drafts[k - 1]), nxt] if n_acc == k else [nxt]
             stats.record(k, n_acc)
-            stats.tlm_calls += 1
-            stats.dlm_calls += k
             stats.dlm_s += t1 - t0
             stats.tlm_s += t2 - t1
             stats.round_s += time.perf_counter() - t0
             for t in [*drafts[:n_acc].tolist(), nxt]:
                 yield int(t)
     finally:
+        stats.tlm_calls, stats.dlm_calls = tlm.calls - tlm_calls0, dlm.calls - dlm_calls0
         stats_out.update(stats.summary())

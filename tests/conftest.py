@@ -10,28 +10,12 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
-    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
 from common.recipe import ModelSpec, Recipe
 from export.pipeline import build_artifact
-
-SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with no merges: 256 byte tokens plus 4 specials, instant to build."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL.values()) + alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
-    return fast
-
+from recipes.default_pair import byte_tokenizer
 
 VOCAB = 260
 COMMON = dict(vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=3)

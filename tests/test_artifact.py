@@ -18,7 +18,8 @@ from common.recipe import RecipeError, recipe_from_dict
 from export.loader import ModelNotFoundError
 from export.pipeline import VocabularyMismatchError, build_artifact
 from recipes import get_recipe, recipe_names
-from tests.conftest import byte_tokenizer, save_checkpoint, tiny_recipe
+from recipes.default_pair import byte_tokenizer
+from tests.conftest import save_checkpoint, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,3 +153,12 @@ def test_cli_lists_recipes():
     proc = subprocess.run([sys.executable, "-m", "export", "--list-recipes"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "llama2-7b-spd" in proc.stdout and "MISSING" in proc.stdout
+
+
+def test_mx_format_is_refused_until_the_quant_pass_exists(checkpoints, tmp_path):
+    from common.recipe import ModelSpec
+
+    recipe = replace(tiny_recipe(), dlm=None, tlm=ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"))
+    with pytest.raises(ValueError, match="mx_format"):
+        build_artifact(recipe, tmp_path / "mx", progress=False)
+    assert not (tmp_path / "mx").exists()

@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import runtime
 import runtime.speculative as spd_module
 from export.pipeline import build_artifact
+from recipes.default_pair import byte_tokenizer
 from runtime.model_runner import ModelRunner
-from tests.conftest import byte_tokenizer, tiny_recipe
+from tests.conftest import tiny_recipe
 
 
 def noisy_copy(src, dst, scale: float, seed: int):

@@ -1,0 +1,54 @@
+"""Cost of one call of each graph, with weights shared (prepacking off) and private (prepacked).
+
+    python -m benchmarks.steps ARTIFACT [--context-used 100] [--repeats 8]
+
+Both runners are measured in one process, alternately per graph, so drift affects both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from common.manifest import read_manifest
+from runtime.model_runner import ModelRunner
+
+
+def step_ms(runner: ModelRunner, graph: str, n: int, used: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        runner.rewind(used)
+        t0 = time.perf_counter()
+        runner.forward(graph, np.arange(4, 4 + n))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact")
+    ap.add_argument("--context-used", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=8)
+    args = ap.parse_args()
+    manifest = read_manifest(args.artifact, verify=False)
+    entry = manifest.models["tlm"]
+    runners = {
+        mode: ModelRunner(args.artifact, entry, manifest.context_length, share_weights=(mode == "shared"))
+        for mode in ("shared", "prepacked")
+    }
+    for r in runners.values():
+        r.prefill(np.arange(4, 4 + args.context_used))
+    rows = {}
+    for graph, g in entry.graphs.items():
+        for n in sorted({1, g.tokens}):
+            rows[f"{graph}, {n} token(s)"] = {
+                mode: round(step_ms(r, graph, n, args.context_used, args.repeats), 1) for mode, r in runners.items()
+            }
+    print(json.dumps({"artifact": args.artifact, "median_ms_per_call": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

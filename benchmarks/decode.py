@@ -43,11 +43,11 @@ def checkpoint(name: str, cfg: dict, seed: int) -> Path:
     return path
 
 
-def genai_model(ckpt: Path) -> Path:
-    out = ckpt.parent / f"{ckpt.name}-genai-fp32"
+def genai_model(ckpt: Path, precision: str = "fp32") -> Path:
+    out = ckpt.parent / f"{ckpt.name}-genai-{precision}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
-                        "-p", "fp32", "-e", "cpu"], check=True, capture_output=True)
+                        "-p", precision, "-e", "cpu"], check=True, capture_output=True)
     return out
 
 

@@ -68,6 +68,15 @@ def save_shared(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name:
     return written
 
 
+def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], first: list[onnx.NodeProto]) -> None:
+    """Replace the graph's initializers and put `first` (nodes feeding on them) ahead of its nodes."""
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(first + rest)
+
+
 def load_with_weights(path: Path) -> onnx.ModelProto:
     """Load a graph and pull its external weights into memory (for passes that rewrite them)."""
     return onnx.load(str(path), load_external_data=True)

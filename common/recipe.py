@@ -105,6 +105,11 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
     if spec.mx_lowering not in MX_LOWERINGS:
         raise RecipeError(f"{where}.mx_lowering: {spec.mx_lowering!r} is not one of {MX_LOWERINGS}")
+    if spec.mx_format == "fp6_e3m2" and spec.mx_lowering == "fused":
+        raise RecipeError(
+            f"{where}: mx_lowering 'fused' needs fp6_e2m3 (E3M2 values do not fit int8 blocks); "
+            "set mx_lowering = 'exact' for fp6_e3m2"
+        )
 
 
 def validate(recipe: Recipe) -> Recipe:

@@ -22,40 +22,77 @@ from tqdm import tqdm
 
 from common.graph_io import ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
-from common.onnx_store import save_shared
+from common.onnx_store import load_with_weights, save_shared
 from common.recipe import Recipe
+from compiler.mx_lowering import ACCURACY_LEVEL, MS_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PROVIDERS, session_options
 
 EXPORT_INFO = "export.json"
 
 
-def _optimize(graph: Path, target: str, workdir: Path) -> onnx.ModelProto:
-    """Run ONNX Runtime's graph optimisers once, now, and keep the result."""
+def _optimize(graph: Path, target: str, workdir: Path, fold: bool = True) -> onnx.ModelProto:
+    """Run ONNX Runtime's graph optimisers once, now, and keep the result.
+
+    `fold=False` keeps constant subgraphs (MX unpacking) for load time, so the artifact stays packed.
+    """
     so = session_options()
     so.graph_optimization_level = OFFLINE_LEVEL[target]
     out = workdir / f"opt-{graph.stem}.onnx"
     so.optimized_model_filepath = str(out)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{out.stem}.bin")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    disabled = [] if fold else ["ConstantFolding"]
+    ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
     return onnx.load(str(out), load_external_data=True)
 
 
-def _compile_model(export_dir: Path, out_dir: Path, target: str, progress: bool) -> ModelEntry:
+def _lower(export_dir: Path, name: str, lowering: str, workdir: Path) -> tuple[Path, dict[str, str]]:
+    """Lower the MX ops of one graph for ONNX Runtime; returns the lowered graph's path and weights."""
+    model = load_with_weights(export_dir / f"{name}.onnx")
+    lowered = lower_model(model, lowering)
+    out = workdir / f"lowered-{name}"
+    return save_shared({name: model}, out, "weights.bin")[name], lowered
+
+
+def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
+    """The optimised graph must still hold every lowered weight packed: never full precision silently."""
+    inits = {t.name for t in graph.graph.initializer}
+    fused = {n.input[1] for n in graph.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN}
+    lost = [w for w in lowered if w + ".packed6" not in inits or w in inits
+            or (lowering == "fused" and w + ".unpacked" not in fused)]
+    if lost or not lowered:
+        raise RuntimeError(f"graph {name!r}: MX lowering {lowering!r} did not survive optimisation for "
+                           f"{len(lost) or 'all'} weights (first: {lost[:3]})")
+
+
+def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, progress: bool) -> ModelEntry:
     info = json.loads((export_dir / EXPORT_INFO).read_text())
+    quant = dict(info.get("quant", {}))
     graphs: dict[str, onnx.ModelProto] = {}
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         items = tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress)
         for name in items:
-            graphs[name] = _optimize(export_dir / f"{name}.onnx", target, Path(work))
+            if not quant:  # float16 storage: keep its Casts for load time too
+                fold = info.get("storage_dtype", "float32") == "float32"
+                graphs[name] = _optimize(export_dir / f"{name}.onnx", target, Path(work), fold=fold)
+                continue
+            path, lowered = _lower(export_dir, name, lowering, Path(work))
+            graphs[name] = _optimize(path, target, Path(work), fold=False)
+            _check_lowered(graphs[name], name, lowering, lowered)
+            quant["lowered_weights"] = len(lowered)  # the same weights in every graph
         save_shared(graphs, out_dir, info["weights"])
+    if quant:
+        quant["lowering"] = lowering
+        quant["kernel"] = (f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}"
+                           if lowering == "fused" else "float32 MatMul on weights unpacked at load")
     return ModelEntry(
         source=info["source"],
         model_type=info["model_type"],
         dims=ModelDims(**info["dims"]),
         graphs={g: GraphEntry(file=f"{out_dir.name}/{g}.onnx", tokens=t) for g, t in info["graphs"].items()},
         weights=f"{out_dir.name}/{info['weights']}",
-        quant=info.get("quant", {}),
+        dtype=info.get("storage_dtype", "float32"),
+        quant=quant,
         eos_token_ids=tuple(info["eos_token_ids"]),
     )
 
@@ -82,8 +119,9 @@ def compile_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     staging.chmod(0o755)
     try:
+        specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
-            role: _compile_model(Path(d), staging / role, recipe.target, progress)
+            role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering, progress)
             for role, d in exports.items()
         }
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "codegen")
 
 
 class ModelNotFoundError(FileNotFoundError):

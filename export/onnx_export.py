@@ -75,7 +75,7 @@ def _rename_initializers(model: onnx.ModelProto, names: dict[str, str]) -> None:
             if found is None:
                 continue
             new = found
-        new = new.removeprefix("model.")
+        new = new.removeprefix("model.").removeprefix("transformer.")  # Llama family / CodeGen
         if new != t.name and new not in taken:
             mapping[t.name] = new
             taken.add(new)

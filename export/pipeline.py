@@ -12,6 +12,7 @@ from common.recipe import Recipe
 from compiler import compile_artifact
 from export.loader import load_model, resolve_model_dir
 from export.onnx_export import export_model
+from quant.onnx_pass import float16_export, quantize_export
 
 
 class VocabularyMismatchError(ValueError):
@@ -55,10 +56,6 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm, model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
-    for role, spec in specs.items():
-        if spec.mx_format is not None:  # never fall back to full precision silently
-            raise ValueError(f"{role}.mx_format = {spec.mx_format!r}: the MX quant pass is not wired into "
-                             "export yet; remove mx_format from the recipe to export in fp32")
     models = {role: load_model(d, recipe.context_length) for role, d in dirs.items()}
     if "dlm" in models:
         check_same_vocabulary(dirs["tlm"], dirs["dlm"], models["tlm"], models["dlm"])
@@ -73,4 +70,9 @@ def build_artifact(
                 batch=recipe.batch_size, source=specs[role].model,
                 tokenizer_dir=dirs[role], progress=progress,
             )
+            spec = specs[role]
+            if spec.mx_format is not None:
+                quantize_export(exports[role], spec.mx_format, spec.mx_lm_head, progress=progress)
+            if spec.dtype == "float16":
+                float16_export(exports[role], progress=progress)
         return compile_artifact(exports, recipe, out_dir, progress=progress)

@@ -44,15 +44,19 @@ class SharedWeights:
     Left to itself each ONNX Runtime session reads (and prepacks) its own copy of the external
     weights, so three graphs cost three copies of memory. Here each external initializer becomes
     an OrtValue over a read-only memory map of weights.bin, shared by all sessions, and
-    prepacking (which would copy it again per session) is off. See docs/benchmarks.md.
+    prepacking (which would copy it again per session) is off, unless `prepack`: the fused MX
+    lowering needs it (MatMulNBits without prepacked weights is ~20x slower). MX and float16
+    weights are unpacked by each session at load, so only their packed bytes are shared.
+    See docs/benchmarks.md.
     """
 
-    def __init__(self, weights: Path) -> None:
+    def __init__(self, weights: Path, prepack: bool = False) -> None:
         self.map = np.memmap(weights, dtype=np.uint8, mode="r")
+        self.prepack = prepack
         self.values: dict[tuple[int, int], ort.OrtValue] = {}  # (offset, length) -> shared value
 
     def attach(self, graph: Path, so: ort.SessionOptions) -> None:
-        so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.disable_prepacking", "0" if self.prepack else "1")
         for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
@@ -82,7 +86,10 @@ class ModelRunner:
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
         self.calls = 0  # graph runs, for metrics
-        self._shared = SharedWeights(Path(artifact_dir) / entry.weights) if share_weights else None
+        self.quant = entry.quant
+        weights = Path(artifact_dir) / entry.weights
+        prepack = entry.quant.get("lowering") == "fused"
+        self._shared = SharedWeights(weights, prepack=prepack) if share_weights else None
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
             for name, g in entry.graphs.items()

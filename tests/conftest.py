@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CodeGenConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -30,6 +31,7 @@ CONFIGS = {
                                      **COMMON),
     "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, **COMMON),
+    "codegen": lambda: CodeGenConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **COMMON),
     "draft": lambda: LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, **COMMON),
 }

@@ -153,12 +153,3 @@ def test_cli_lists_recipes():
     proc = subprocess.run([sys.executable, "-m", "export", "--list-recipes"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "llama2-7b-spd" in proc.stdout and "MISSING" in proc.stdout
-
-
-def test_mx_format_is_refused_until_the_quant_pass_exists(checkpoints, tmp_path):
-    from common.recipe import ModelSpec
-
-    recipe = replace(tiny_recipe(), dlm=None, tlm=ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"))
-    with pytest.raises(ValueError, match="mx_format"):
-        build_artifact(recipe, tmp_path / "mx", progress=False)
-    assert not (tmp_path / "mx").exists()

@@ -42,6 +42,21 @@ def test_greedy_matches_transformers_generate(art, hf_model, length):
     assert len(ours.token_ids) == 64 or ours.finish_reason == "eos"
 
 
+def test_codegen_artifact_greedy_matches_transformers_generate(checkpoints, tmp_path):
+    """CodeGen (partial rotary, fused qkv) through export, compile and the runtime."""
+    from dataclasses import replace
+
+    from export.pipeline import build_artifact
+    from tests.conftest import tiny_recipe
+
+    recipe = replace(tiny_recipe(), dlm=None)
+    cg = runtime.load_artifact(build_artifact(recipe, tmp_path / "cg", tlm=str(checkpoints["codegen"]),
+                                              progress=False))
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["codegen"], attn_implementation="eager").eval()
+    prompt = [0, 17, 99, 42, 8, 250, 31, 64, 5, 77, 12]
+    assert runtime.generate(cg, prompt, max_new_tokens=40).token_ids == hf_greedy(model, prompt, 40)
+
+
 def test_text_prompt_and_metrics(art):
     r = runtime.generate(art, "def f(x):\n", max_new_tokens=10, speculative=False)
     assert r.text == art.tokenizer.decode(r.token_ids, skip_special_tokens=True)

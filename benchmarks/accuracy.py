@@ -1,0 +1,120 @@
+"""What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
+
+    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--out reports]
+
+Builds the recipe's TLM unquantized and in each MX format and lowering, and scores held-out text
+(the standard-library modules the default pair never saw, or --text FILE) teacher-forced through
+the compiled graphs, in windows of the context length. Writes OUT/RECIPE/accuracy.{json,md}.
+The gate (QEfficient's) is: exact MXFP6 in the recipe's format (fp6_e2m3 if it names none) has
+perplexity <= 1.01x the unquantized float32 perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+import runtime
+from benchmarks.variants import build_cached, variant
+from recipes import DEFAULT_RECIPE, get_recipe
+from recipes.default_pair import stdlib_files
+
+CONFIGS = {  # name -> (mx_format, lowering)
+    "fp32": (None, "fused"),
+    "fp6_e2m3 exact": ("fp6_e2m3", "exact"),
+    "fp6_e2m3 fused": ("fp6_e2m3", "fused"),
+    "fp6_e3m2 exact": ("fp6_e3m2", "exact"),
+}
+NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
+GATE = 1.01
+
+
+def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
+    texts = [text_file.read_text()] if text_file else [f.read_text(errors="replace") for f in stdlib_files("heldout")]
+    tok = art.tokenizer
+    ids: list[int] = []
+    for text in texts:
+        ids += tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if len(ids) >= limit:
+            break
+    return np.asarray(ids[:limit], dtype=np.int64)
+
+
+def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token negative log-likelihood and argmax, teacher-forced through the prefill graph."""
+    runner = art.tlm
+    window = art.manifest.context_length
+    chunk = art.manifest.prefill_chunk
+    nll, top1 = [], []
+    for start in range(0, len(tokens) - 1, window):
+        seq = tokens[start : start + window + 1]
+        runner.rewind(0)
+        for c in range(0, len(seq) - 1, chunk):
+            inputs = seq[c : min(c + chunk, len(seq) - 1)]
+            logits = runner.forward("prefill", inputs).astype(np.float64)
+            logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            targets = seq[c + 1 : c + 1 + len(inputs)]
+            nll.append(logz - logits[np.arange(len(inputs)), targets])
+            top1.append(logits.argmax(-1))
+    return np.concatenate(nll), np.concatenate(top1)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# MXFP6 accuracy: {meta['recipe']} ({meta['tokens']} held-out tokens, {meta['text']})", "",
+        "| weights | lowering | perplexity | vs fp32 | top-1 agreement with fp32 | weight bytes vs fp16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "unavailable" in r:
+            lines.append(f"| {r['name']} | - | not available: {r['unavailable']} | | | |")
+            continue
+        ratio = "2.000 (fp32)" if r["size_vs_fp16"] is None else f"{r['size_vs_fp16']:.3f}"
+        lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['perplexity']:.4f} | {r['ppl_ratio']:.4f}x | "
+                     f"{100 * r['top1_agreement']:.2f}% | {ratio} |")
+    lines += ["", f"Gate: {meta['gate']}: **{'PASS' if meta['gate_pass'] else 'FAIL'}**."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score")
+    parser.add_argument("--text", type=Path, help="held-out text file (default: held-out stdlib modules)")
+    parser.add_argument("--out", type=Path, default=Path("reports"))
+    args = parser.parse_args(argv)
+    recipe = get_recipe(args.recipe)
+    out_dir = args.out / recipe.name
+    rows, base_top1, base_ppl, tokens = [], None, None, None
+    for name, (fmt, lowering) in CONFIGS.items():
+        art_dir = build_cached(variant(recipe, fmt, lowering, with_dlm=False), out_dir / name.replace(" ", "-"))
+        art = runtime.load_artifact(art_dir)
+        if tokens is None:
+            tokens = held_out_tokens(art, args.text, args.tokens)
+        nll, top1 = score(art, tokens)
+        ppl = float(np.exp(nll.mean()))
+        base_top1 = top1 if base_top1 is None else base_top1
+        base_ppl = ppl if base_ppl is None else base_ppl
+        quant = art.manifest.models["tlm"].quant
+        rows.append({"name": name.split()[0], "lowering": quant.get("lowering"), "format": fmt, "perplexity": ppl,
+                     "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
+                     "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
+        agree = rows[-1]["top1_agreement"]
+        print(f"{name:16s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
+    rows += [{"name": n.split()[0], "unavailable": why} for n, why in NOT_AVAILABLE.items()]
+    gated = recipe.tlm.mx_format or "fp6_e2m3"
+    gate_row = next(r for r in rows if r.get("format") == gated and r["lowering"] == "exact")
+    meta = {"recipe": recipe.name, "tokens": int(len(tokens)), "text": str(args.text or "held-out stdlib modules"),
+            "gate": f"{gated} exact perplexity <= {GATE}x fp32", "gate_pass": gate_row["ppl_ratio"] <= GATE}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out_dir / "accuracy.md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+    return 0 if meta["gate_pass"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Per-recipe tokens/s report: the four configurations of the Qualcomm article's Figure 7, side by side.
+
+    python -m benchmarks.report [--recipe tiny-stdlib-spd] [--out reports] [--repeats 1] [--warmup 1]
+
+Configurations: baseline (unquantized TLM, autoregressive), MXFP6 TLM autoregressive, unquantized
+speculative decoding, MXFP6 + speculative decoding. Two artifacts are built (cached while the
+recipe is unchanged): the recipe with its TLM unquantized, and with its TLM in MXFP6 (the recipe's
+format, fp6_e2m3 fused if it names none); both carry the recipe's DLM. Runs alternate between
+configurations prompt by prompt so machine drift hits all alike. Every run is greedy, and the
+report checks that speculative output equals autoregressive output of the same compiled TLM.
+Writes report.json, report.md and report.png under OUT/RECIPE/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+import runtime
+from benchmarks.variants import build_cached, variant
+from compiler.targets import PROVIDERS
+from export.loader import is_available
+from recipes import DEFAULT_RECIPE, get_recipe
+
+CONFIGS = {  # name -> (artifact, speculative)
+    "baseline": ("fp32", False),
+    "MXFP6": ("mxfp6", False),
+    "SpD": ("fp32", True),
+    "MXFP6 + SpD": ("mxfp6", True),
+}
+
+
+def memory_mib(art_dir: Path) -> dict:
+    """RSS of a fresh process that loads the artifact and generates (benchmarks.memory)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", str(art_dir)], capture_output=True,
+                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    out = json.loads(proc.stdout)
+    return {"rss_after_generate_mib": out["rss_mib_after_generate"], "weights_mib": out["weights_mib"]}
+
+
+def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int) -> dict:
+    runs: dict[str, list] = {name: [] for name in CONFIGS}
+    for which, spd in CONFIGS.values():
+        for _ in range(warmup):
+            runtime.generate(arts[which], prompts[0], max_new_tokens=max_new, speculative=spd)
+    for _ in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for name, (which, spd) in CONFIGS.items():
+                r = runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd)
+                runs[name].append((i, r))
+    return runs
+
+
+def summarize(runs: list) -> dict:
+    m = [r.metrics for _, r in runs]
+    decode_tokens = sum(max(x.new_tokens - 1, 0) for x in m)
+    row = {
+        "new_tokens": sum(x.new_tokens for x in m),
+        "decode_tokens_per_s": decode_tokens / sum(x.decode_s for x in m),
+        "e2e_tokens_per_s": sum(x.new_tokens for x in m) / sum(x.total_s for x in m),
+        "ttft_ms": 1000 * float(np.mean([x.ttft_s for x in m])),
+    }
+    spec = [x.speculative for x in m if x.speculative]
+    if spec:  # pooled over all rounds of all prompts, like the token rates
+        accepted, rounds = sum(s["accepted"] for s in spec), sum(s["rounds"] for s in spec)
+        row["acceptance_rate"] = accepted / max(sum(s["drafted"] for s in spec), 1)
+        row["mean_accepted_length"] = 1 + accepted / max(rounds, 1)
+    return row
+
+
+def greedy_equal(runs: dict) -> dict[str, list[bool]]:
+    """Per prompt: does greedy SpD give exactly the tokens of greedy AR on the same compiled TLM?"""
+    ar = {"fp32": runs["baseline"], "mxfp6": runs["MXFP6"]}
+    spd = {"fp32": runs["SpD"], "mxfp6": runs["MXFP6 + SpD"]}
+    return {k: [a.token_ids == s.token_ids for (_, a), (_, s) in zip(ar[k], spd[k], strict=True)] for k in ar}
+
+
+def metadata(recipe, arts: dict, args) -> dict:
+    tlm_quant = arts["mxfp6"].manifest.models["tlm"].quant
+    return {
+        "recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model,
+        "precisions": {"baseline TLM": recipe.tlm.dtype, "MXFP6 TLM": f"{tlm_quant['format']} ({tlm_quant['kernel']})",
+                       "DLM": recipe.dlm.mx_format or recipe.dlm.dtype},
+        "k": recipe.k, "context_length": recipe.context_length, "max_new_tokens": args.max_new_tokens
+        or recipe.max_new_tokens, "prompts": len(recipe.prompts), "warmup": args.warmup, "repeats": args.repeats,
+        "sampling": "greedy", "onnxruntime": ort.__version__, "provider": PROVIDERS[recipe.target][0],
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+                    "system": platform.platform(), "python": platform.python_version()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def markdown(report: dict) -> str:
+    meta, rows = report["meta"], report["configs"]
+    lines = [f"# {meta['recipe']}: tokens/s report", "",
+             f"TLM `{meta['tlm']}`, DLM `{meta['dlm']}`, K = {meta['k']}, {meta['prompts']} prompts x "
+             f"{meta['repeats']} repeats after {meta['warmup']} warm-up, greedy, up to {meta['max_new_tokens']} "
+             f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), {meta['machine']['cores']} cores.",
+             "",
+             "| configuration | decode tok/s | speedup | e2e tok/s | TTFT ms | acceptance | mean accepted | RSS MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
+        mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
+        lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
+                     f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['rss_mib']:.0f} |")
+    eq = report["greedy_spd_equals_ar"]
+    lines += ["", "Greedy speculative output equals greedy autoregressive output of the same compiled TLM: "
+              + ", ".join(f"{k}: {sum(v)}/{len(v)} prompts" for k, v in eq.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["configs"])
+    speed = [report["configs"][n]["decode_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(names, speed, color=["#888888", "#4c72b0", "#dd8452", "#55a868"])
+    for bar, n in zip(bars, names, strict=True):
+        ax.annotate(f"{report['configs'][n]['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    meta = report["meta"]
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{meta['recipe']} (K={meta['k']}, {meta['provider']}, {meta['machine']['cores']} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--out", type=Path, default=Path("reports"))
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's max_new_tokens")
+    args = parser.parse_args(argv)
+    recipe = get_recipe(args.recipe)
+    out = args.out / recipe.name
+    out.mkdir(parents=True, exist_ok=True)
+    if recipe.dlm is None or not recipe.prompts:
+        print(f"recipe {recipe.name!r} needs a [dlm] and a prompt set for this report", file=sys.stderr)
+        return 2
+    missing = [m.model for m in (recipe.tlm, recipe.dlm) if not is_available(m.model)]
+    if missing:
+        report = {"meta": {"recipe": recipe.name}, "status": "missing weights", "missing": missing,
+                  "how": "put the checkpoints in the local Hugging Face cache or pass local folders to "
+                         "`python -m export --recipe ... --tlm DIR --dlm DIR`"}
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(f"# {recipe.name}\n\nNot measured: missing weights for {', '.join(missing)}.\n")
+        print(f"recipe {recipe.name!r}: not measured, weights missing for {missing}", file=sys.stderr)
+        return 2
+    fmt = recipe.tlm.mx_format or "fp6_e2m3"
+    lowering = recipe.tlm.mx_lowering if recipe.tlm.mx_format else "fused"
+    dirs = {"fp32": build_cached(variant(recipe, None), out / "fp32"),
+            "mxfp6": build_cached(variant(recipe, fmt, lowering), out / "mxfp6")}
+    arts = {k: runtime.load_artifact(d) for k, d in dirs.items()}
+    runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats)
+    rows = {name: summarize(r) for name, r in runs.items()}
+    memory = {k: memory_mib(d) for k, d in dirs.items()}
+    for name, row in rows.items():
+        row["speedup"] = row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
+        row["rss_mib"] = memory[CONFIGS[name][0]]["rss_after_generate_mib"]
+    report = {"meta": metadata(recipe, arts, args), "status": "measured", "configs": rows,
+              "greedy_spd_equals_ar": greedy_equal(runs),
+              "weights_mib": {k: v["weights_mib"] for k, v in memory.items()}}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    chart(report, out / "report.png")
+    print(markdown(report))
+    print(f"wrote {out}/report.json, report.md, report.png")
+    return 0 if all(all(v) for v in report["greedy_spd_equals_ar"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Lowers standard MX weights (FLOAT6 DequantizeLinear with E8M0 scales) to what ONNX Runtime runs.
+
+ONNX Runtime rejects FLOAT6 and E8M0, and a dequantization evaluated at every step is far too slow.
+Both lowerings keep the weights packed 6-bit on disk (6.25 bits per element with the scale byte)
+and put a small unpacking subgraph in front of them, made only of constants, which ONNX Runtime's
+constant folding evaluates once when a session loads (the compiler turns folding off while it
+optimises, so the artifact stays small). Then:
+
+- `fused` (E2M3 only): every E2M3 value is a multiple of 1/8 in [-7.5, 7.5], so a block is exactly
+  an int8 block (8 * value, stored with zero point 128) with scale 2^(e-127) / 8: the MatMul becomes
+  `com.microsoft.MatMulNBits(bits=8, block_size=32)` and dequantization happens inside the kernel.
+  accuracy_level 4 lets the kernel quantize each 32-element block of activations to int8 (the fast
+  path on CPU); weights stay exact, activations lose up to half an int8 step per block.
+- `exact`: the unpacking yields the float32 weights themselves, exactly the MXFP6 values, and the
+  MatMul is left alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from common.onnx_store import rewrite_graph
+from quant import element_values, pack_fp6, unpack_fp6
+from quant.onnx_pass import BASE_OPSET_KEY
+
+LOWERINGS = ("fused", "exact")
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
+BLOCK = 32
+FP6_FORMATS = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2"}
+MS_DOMAIN = "com.microsoft"
+_SHIFTS = np.array([1, 64, 64**2, 64**3], dtype=np.int32)  # 4 codes of a 24-bit group, LSB first
+_BYTE_WEIGHTS = np.array([1, 256, 65536], dtype=np.int32)
+
+
+class LoweringError(ValueError):
+    """An MX graph that the requested lowering cannot represent exactly."""
+
+
+class _Builder:
+    """Adds constant tensors and nodes to a graph, with names unique to one weight."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.nodes: list[onnx.NodeProto] = []
+        self.shared: set[str] = set()
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        if name not in self.shared:
+            self.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+            self.shared.add(name)
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, domain: str = "", **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, domain=domain, **attrs))
+        return output
+
+
+def _unpack(b: _Builder, prefix: str, codes: np.ndarray, table: np.ndarray, table_name: str, shape: list[int]) -> str:
+    """Store `codes` packed 6-bit; emit the subgraph that unpacks them and maps each through `table`.
+
+    Callers pad K to whole blocks of 32, so the codes fill whole 3-byte groups (4 codes each).
+    """
+    assert codes.size % 4 == 0
+    packed = pack_fp6(codes).reshape(-1, 3)
+    stored = b.const(prefix + ".packed6", packed)
+    wide = b.node("Cast", [stored], prefix + ".i32", to=onnx.TensorProto.INT32)
+    weights = b.const("mx.byte_weights", _BYTE_WEIGHTS)
+    group = b.node("ReduceSum", [b.node("Mul", [wide, weights], prefix + ".bytes"), b.const("mx.axis1", np.array([1]))],
+                   prefix + ".group", keepdims=1)
+    shifted = b.node("Div", [group, b.const("mx.shifts", _SHIFTS)], prefix + ".shifted")
+    code = b.node("Mod", [shifted, b.const("mx.code_span", np.array(64, dtype=np.int32))], prefix + ".code4")
+    flat = b.node("Reshape", [code, b.const("mx.flat", np.array([-1]))], prefix + ".flat")
+    values = b.node("Gather", [b.const(table_name, table), flat], prefix + ".values")
+    return b.node("Reshape", [values, b.const(prefix + ".shape", np.array(shape))], prefix + ".unpacked")
+
+
+def _scales(b: _Builder, prefix: str, exponents: np.ndarray, divisor: float) -> str:
+    """E8M0 bytes stored as uint8; unpacked to float32 2^(e-127) / divisor through a 256-entry table."""
+    table = np.ldexp(1.0 / divisor, np.arange(256) - 127)  # float64: 2^128 / divisor fits before NaN replaces it
+    table[255] = np.nan
+    table = table.astype(np.float32)
+    stored = b.const(prefix + ".e8m0", exponents)
+    idx = b.node("Cast", [stored], prefix + ".e8m0_i32", to=onnx.TensorProto.INT32)
+    return b.node("Gather", [b.const(f"mx.scale_table_{int(divisor)}", table), idx], prefix + ".scale")
+
+
+def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray) -> None:
+    k, n = codes.shape
+    kb = exps.shape[0]
+    padded = np.zeros((kb * BLOCK, n), dtype=np.uint8)
+    padded[:k] = codes
+    values = _unpack(b, name, padded, element_values(fmt), f"mx.values_{fmt}", [kb, BLOCK, n])
+    scale = b.node("Reshape", [_scales(b, name, exps, 1.0), b.const(name + ".scale_shape", np.array([kb, 1, n]))],
+                   name + ".scale3")
+    w = b.node("Mul", [values, scale], name + ".blocks")
+    if kb * BLOCK == k:
+        b.node("Reshape", [w, b.const(name + ".kn", np.array([k, n]))], name)
+    else:
+        full = b.node("Reshape", [w, b.const(name + ".kn", np.array([kb * BLOCK, n]))], name + ".padded")
+        b.node("Slice", [full, b.const("mx.zero", np.array([0])), b.const(name + ".k", np.array([k]))], name)
+
+
+def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list) -> None:
+    if fmt != "fp6_e2m3":
+        raise LoweringError(
+            f"weight {name!r}: the fused lowering needs fp6_e2m3 ({fmt} values are not int8 multiples of one "
+            "power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
+        )
+    k, n = codes.shape
+    kb = exps.shape[0]
+    by_column = np.zeros((n, kb * BLOCK), dtype=np.uint8)  # MatMulNBits: per output column, K in blocks
+    by_column[:, :k] = codes.T
+    as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
+    table = (as_int8 + 128).astype(np.uint8)  # zero point 128 (the default for bits = 8)
+    weights = _unpack(b, name, by_column, table, "mx.int8_e2m3", [n, kb, BLOCK])
+    scales = _scales(b, name, np.ascontiguousarray(exps.T).reshape(-1), 8.0)
+    for mm in matmuls:
+        mm.op_type, mm.domain = "MatMulNBits", MS_DOMAIN
+        mm.input[:] = [mm.input[0], weights, scales]
+        mm.attribute.extend([
+            helper.make_attribute("K", k), helper.make_attribute("N", n), helper.make_attribute("bits", 8),
+            helper.make_attribute("block_size", BLOCK), helper.make_attribute("accuracy_level", ACCURACY_LEVEL),
+        ])
+
+
+def lower_model(model: onnx.ModelProto, lowering: str) -> dict[str, str]:
+    """Replace every FLOAT6 DequantizeLinear in `model` (in place); returns {weight name: format}."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"unknown MX lowering {lowering!r}; choose one of {LOWERINGS}")
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    b = _Builder(graph)
+    lowered: dict[str, str] = {}
+    dropped: set[str] = set()
+    for node in list(graph.node):
+        if node.op_type != "DequantizeLinear" or inits.get(node.input[0]) is None:
+            continue
+        data, scale = inits[node.input[0]], inits[node.input[1]]
+        if data.data_type not in FP6_FORMATS:
+            continue
+        fmt = FP6_FORMATS[data.data_type]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("axis") != 0 or attrs.get("block_size") != BLOCK or len(data.dims) != 2:
+            raise LoweringError(f"{node.name}: only [K, N] weights blocked by {BLOCK} along K (axis 0) are lowered")
+        k, n = data.dims
+        codes = unpack_fp6(np.frombuffer(data.raw_data, dtype=np.uint8), k * n).reshape(k, n)
+        exps = np.frombuffer(scale.raw_data, dtype=np.uint8).reshape(tuple(scale.dims))
+        w = node.output[0]
+        if lowering == "exact":
+            _lower_exact(b, w, fmt, codes, exps)
+        else:
+            users = consumers.get(w, [])
+            if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
+                raise LoweringError(f"weight {w!r}: the fused lowering needs it to feed MatMul weights only")
+            _lower_fused(b, w, fmt, codes, exps, users)
+        graph.node.remove(node)
+        dropped |= {data.name, scale.name}
+        lowered[w] = fmt
+    if not lowered:
+        return lowered
+    rewrite_graph(graph, [t for t in graph.initializer if t.name not in dropped], b.nodes)
+    _restore_opset(model, ms=lowering == "fused")
+    return lowered
+
+
+def _restore_opset(model: onnx.ModelProto, ms: bool) -> None:
+    """The MX ops are gone: go back to the opset the model had before the quant pass."""
+    props = {p.key: p.value for p in model.metadata_props}
+    if BASE_OPSET_KEY not in props:
+        raise LoweringError(f"the MX graph does not record its opset before the quant pass ({BASE_OPSET_KEY})")
+    base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    base.version = int(props[BASE_OPSET_KEY])
+    if base.version < 13:  # the unpacking uses ReduceSum with axes as an input
+        raise LoweringError(f"MX lowering needs opset >= 13, the graph has {base.version}")
+    if ms and not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))

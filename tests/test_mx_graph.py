@@ -1,0 +1,234 @@
+"""The MX quant pass (standard ONNX), its ONNX Runtime lowerings, and MX artifacts end to end."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from common.recipe import ModelSpec, RecipeError, recipe_from_dict
+from compiler import mx_lowering
+from compiler.build import _check_lowered
+from compiler.mx_lowering import LoweringError, lower_model
+from export.pipeline import build_artifact
+from quant import fake_quantize
+from quant.onnx_pass import quantize_model
+from runtime.artifact import load_artifact
+from tests.conftest import tiny_recipe
+
+WEIGHT = "layers.0.mlp.up_proj.weight.T"
+
+
+def matmul_model(w: np.ndarray, rows: int = 3) -> onnx.ModelProto:
+    k, n = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", WEIGHT], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, rows, k])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, rows, n])],
+        [numpy_helper.from_array(w, WEIGHT)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def weights(k: int, n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((k, n)) * 0.05).astype(np.float32)
+
+
+def run_ort(model: onnx.ModelProto, x: np.ndarray, optimized: str | None = None) -> np.ndarray:
+    so = ort.SessionOptions()
+    if optimized:
+        so.optimized_model_filepath = optimized
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("fmt", ["fp6_e2m3", "fp6_e3m2"])
+@pytest.mark.parametrize("k", [64, 70])
+def test_standard_onnx_mx_graph_dequantizes_to_fake_quantize(fmt, k):
+    """onnx's own reference DequantizeLinear (FLOAT6 data, E8M0 scales) decodes our packing exactly."""
+    w = weights(k, 24)
+    model = matmul_model(w)
+    assert quantize_model(model, fmt) == 1
+    onnx.checker.check_model(model, full_check=True)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert types[WEIGHT + ".mx_codes"] in (onnx.TensorProto.FLOAT6E2M3, onnx.TensorProto.FLOAT6E3M2)
+    assert types[WEIGHT + ".mx_scales"] == onnx.TensorProto.FLOAT8E8M0
+    x = np.random.default_rng(1).standard_normal((1, 3, k)).astype(np.float32)
+    y = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ fake_quantize(w, fmt, axis=0), rtol=1e-5, atol=1e-6)
+
+
+def renamed(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    model.graph.node[0].input[1] = model.graph.initializer[0].name = name
+    return model
+
+
+def test_lm_head_follows_the_option_and_unknown_weights_are_refused():
+    head = renamed(matmul_model(weights(64, 32)), "lm_head.weight.T")
+    assert quantize_model(onnx.ModelProto.FromString(head.SerializeToString())) == 0
+    assert quantize_model(head, lm_head=True) == 1
+    with pytest.raises(ValueError, match="onnx::MatMul_7.*unquantized"):
+        quantize_model(renamed(matmul_model(weights(64, 32)), "onnx::MatMul_7"))
+
+
+def test_quant_summary_counts_stored_bytes(tmp_path):
+    from quant.onnx_pass import summarize
+
+    cache: dict = {}
+    quantize_model(matmul_model(weights(64, 32)), cache=cache)
+    s = summarize(cache, "fp6_e2m3", "even", False)
+    # 64 x 32 codes at 6 bits + 2 x 32 scale bytes, against 2 bytes per weight in FP16
+    assert (s.elements, s.mx_bytes, s.fp16_bytes) == (2048, 1536 + 64, 4096)
+    assert s.ratio_to_fp16 == pytest.approx(0.390625)
+
+
+@pytest.mark.parametrize("fmt,lowering", [("fp6_e2m3", "exact"), ("fp6_e3m2", "exact"), ("fp6_e2m3", "fused")])
+@pytest.mark.parametrize("k", [96, 70])
+def test_lowered_graph_in_onnxruntime_equals_numpy_with_fake_quantized_weights(fmt, lowering, k, monkeypatch):
+    """accuracy_level 0 keeps activations in float32, so the fused re-encoding itself must be lossless."""
+    monkeypatch.setattr(mx_lowering, "ACCURACY_LEVEL", 0)
+    w = weights(k, 40)
+    model = matmul_model(w)
+    quantize_model(model, fmt)
+    assert lower_model(model, lowering) == {WEIGHT: fmt}
+    onnx.checker.check_model(model)
+    assert model.opset_import[0].version == 18
+    x = np.random.default_rng(2).standard_normal((1, 3, k)).astype(np.float32)
+    np.testing.assert_allclose(run_ort(model, x), x @ fake_quantize(w, fmt, axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_and_exact_agree_within_activation_quantization(tmp_path):
+    """Stated tolerance: accuracy_level 4 rounds each 32-activation block to int8 (relative error ~1%)."""
+    w = weights(256, 64)
+    x = np.random.default_rng(3).standard_normal((1, 3, 256)).astype(np.float32)
+    out = {}
+    for lowering in ("exact", "fused"):
+        model = matmul_model(w)
+        quantize_model(model)
+        lower_model(model, lowering)
+        out[lowering] = run_ort(model, x, optimized=str(tmp_path / f"{lowering}.onnx"))
+        folded = onnx.load(str(tmp_path / f"{lowering}.onnx"))
+        # Loading folded the unpacking subgraph away: only the matmul runs per step.
+        assert [n.op_type for n in folded.graph.node] == ["MatMulNBits" if lowering == "fused" else "MatMul"]
+    scale = np.abs(out["exact"]).max()
+    err = np.abs(out["fused"] - out["exact"]).max()
+    assert err < 0.02 * scale, err
+    assert err > 0  # activations really were quantized: the two lowerings are not the same computation
+
+
+def test_fused_e3m2_is_refused():
+    model = matmul_model(weights(64, 32))
+    quantize_model(model, "fp6_e3m2")
+    with pytest.raises(LoweringError, match="exact"):
+        lower_model(model, "fused")
+    with pytest.raises(RecipeError, match="exact"):
+        recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2"}, "speculative": False})
+
+
+def test_lowering_that_did_not_survive_is_an_error():
+    plain = matmul_model(weights(64, 32))
+    with pytest.raises(RuntimeError, match="did not survive"):
+        _check_lowered(plain, "decode", "fused", {WEIGHT: "fp6_e2m3"})
+    exact = matmul_model(weights(64, 32))
+    quantize_model(exact)
+    lower_model(exact, "exact")
+    _check_lowered(exact, "decode", "exact", {WEIGHT: "fp6_e2m3"})  # intact: passes
+    with pytest.raises(RuntimeError, match="did not survive"):  # but a fused plan needs MatMulNBits
+        _check_lowered(exact, "decode", "fused", {WEIGHT: "fp6_e2m3"})
+
+
+def hf_logits(checkpoint, tokens: list[int], fmt: str | None) -> np.ndarray:
+    """transformers itself, its decoder linear weights replaced by their MX values (if fmt)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if fmt and name.startswith("model.layers.") and name.endswith("proj.weight"):
+                # nn.Linear holds W[N, K]; the graph's MatMul weight is W.T [K, N], blocked along K.
+                p.copy_(torch.from_numpy(fake_quantize(p.numpy().T, fmt, axis=0).T.copy()))
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def mx_artifacts(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mx")
+    specs = {
+        "fused": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"),
+        "exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3", mx_lowering="exact"),
+        "e3m2": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e3m2", mx_lowering="exact"),
+    }
+    return {
+        k: build_artifact(replace(tiny_recipe(), dlm=None, tlm=s), root / k, progress=False) for k, s in specs.items()
+    }
+
+
+def prompt_logits(artifact, tokens: list[int]) -> np.ndarray:
+    runner = load_artifact(artifact).tlm
+    runner.prefill(np.array(tokens[:-1]))
+    return runner.forward("decode", np.array(tokens[-1:]))[0]
+
+
+TOKENS = [5, 17, 200, 43, 99, 12, 7, 64, 150, 3, 77, 31]
+
+
+@pytest.mark.parametrize("kind,fmt", [("exact", "fp6_e2m3"), ("e3m2", "fp6_e3m2")])
+def test_exact_artifact_matches_transformers_with_mx_weights(mx_artifacts, checkpoints, kind, fmt):
+    ours = prompt_logits(mx_artifacts[kind], TOKENS)
+    ref = hf_logits(checkpoints["llama-gqa"], TOKENS, fmt)[-1]
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+    fp32 = hf_logits(checkpoints["llama-gqa"], TOKENS, None)[-1]
+    assert np.abs(ours - fp32).max() > 1e-3  # the weights really were quantized
+
+
+def test_fused_artifact_is_close_to_exact(mx_artifacts):
+    fused, exact = prompt_logits(mx_artifacts["fused"], TOKENS), prompt_logits(mx_artifacts["exact"], TOKENS)
+    assert np.abs(fused - exact).max() < 0.02 * np.abs(exact).max()
+    assert fused.argmax() == exact.argmax()
+
+
+@pytest.mark.parametrize("kind", ["fused", "exact", "e3m2"])
+def test_mx_artifact_size_bound_and_manifest(mx_artifacts, kind):
+    """Compressed weights on disk are at most 0.40x their FP16 bytes; the manifest says what ran."""
+    art = load_artifact(mx_artifacts[kind])
+    quant = art.manifest.models["tlm"].quant
+    assert quant["lowering"] == ("fused" if kind == "fused" else "exact")
+    assert quant["lowered_weights"] == quant["tensors"] == 14
+    assert quant["mx_bytes"] <= 0.40 * quant["fp16_bytes"] and quant["ratio_to_fp16"] == pytest.approx(0.39, abs=0.01)
+    stored: dict[str, int] = {}  # the graphs share weights.bin: count each tensor once
+    for graph in ("prefill", "decode", "score"):
+        model = onnx.load(str(mx_artifacts[kind] / "tlm" / f"{graph}.onnx"), load_external_data=False)
+        for t in model.graph.initializer:
+            if t.name.endswith((".packed6", ".e8m0")):
+                info = {e.key: e.value for e in t.external_data}
+                size = int(info["length"]) if info else len(t.raw_data)
+                stored[t.name] = size
+            assert not t.name.endswith("proj.weight.T"), "a full-precision decoder weight is still stored"
+    assert sum(stored.values()) <= 0.40 * quant["fp16_bytes"]
+
+
+def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, tmp_path):
+    """dtype = "float16": weights stored half-size, values float16-rounded, arithmetic float32."""
+    from transformers import AutoModelForCausalLM
+
+    ck = checkpoints["llama-gqa"]
+    recipe = replace(tiny_recipe(), dlm=None, tlm=ModelSpec(model=str(ck), dtype="float16"))
+    art_dir = build_artifact(recipe, tmp_path / "fp16", progress=False)
+    art = load_artifact(art_dir)
+    assert art.manifest.models["tlm"].dtype == "float16"
+    fp32_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(ck).parameters() if p.dim() == 2)
+    assert (art_dir / "tlm" / "weights.bin").stat().st_size < 0.55 * fp32_bytes
+    ours = prompt_logits(art_dir, TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+        ref = model(torch.tensor([TOKENS])).logits[0, -1].numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,73 @@
+"""The per-recipe report: four configurations, greedy SpD == AR check, outputs, missing weights."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import report
+
+
+def write_recipe(path, tlm: str, dlm: str) -> str:
+    path.write_text(f"""
+name = "tiny-report"
+k = 3
+prefill_chunk = 8
+context_length = 96
+max_prompt_length = 32
+max_new_tokens = 16
+prompts = ["def f(x):", "import os"]
+[tlm]
+model = "{tlm}"
+[dlm]
+model = "{dlm}"
+""")
+    return str(path)
+
+
+def test_report_measures_four_configurations(checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], checkpoints["draft"])
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--warmup", "0"]) == 0
+    out = tmp_path / "out" / "tiny-report"
+    data = json.loads((out / "report.json").read_text())
+    assert list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
+    assert all(r["decode_tokens_per_s"] > 0 and r["rss_mib"] > 0 for r in data["configs"].values())
+    assert "acceptance_rate" in data["configs"]["SpD"] and "acceptance_rate" not in data["configs"]["MXFP6"]
+    assert data["greedy_spd_equals_ar"] == {"fp32": [True, True], "mxfp6": [True, True]}
+    assert data["meta"]["precisions"]["MXFP6 TLM"].startswith("fp6_e2m3")
+    assert "| MXFP6 + SpD |" in (out / "report.md").read_text()
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_states_missing_weights(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "r.toml", "no-such/model-a", "no-such/model-b")
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out")]) == 2
+    data = json.loads((tmp_path / "out" / "tiny-report" / "report.json").read_text())
+    assert data["status"] == "missing weights" and data["missing"] == ["no-such/model-a", "no-such/model-b"]
+    assert "configs" not in data
+    assert "missing" in capsys.readouterr().err
+
+
+def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints):
+    """Teacher-forced perplexity through the compiled graphs equals transformers' on the same windows."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+    from benchmarks.accuracy import score
+
+    art = runtime.load_artifact(artifact_dir)
+    tokens = np.random.default_rng(0).integers(4, 260, 150)
+    nll, top1 = score(art, tokens)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"], attn_implementation="eager").eval()
+    window = art.manifest.context_length
+    ref_nll, ref_top1 = [], []
+    with torch.no_grad():
+        for s in range(0, len(tokens) - 1, window):
+            seq = torch.from_numpy(tokens[s : s + window + 1])
+            logits = model(seq[None, :-1]).logits[0]
+            ref_nll.append(torch.nn.functional.cross_entropy(logits, seq[1:], reduction="none").numpy())
+            ref_top1.append(logits.argmax(-1).numpy())
+    assert len(nll) == len(tokens) - 1
+    np.testing.assert_allclose(nll, np.concatenate(ref_nll), atol=1e-4)
+    assert (top1 == np.concatenate(ref_top1)).all()

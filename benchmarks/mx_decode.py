@@ -3,7 +3,8 @@
     python -m benchmarks.mx_decode [--new-tokens 64] [--repeats 3] [--skip-genai]
 
 Engines: our fp32 autoregressive decode, MXFP6 (E2M3) fused (MatMulNBits 8-bit), MXFP6 exact
-(weights unpacked to float32 at load), and onnxruntime-genai's int4 model of the same checkpoint.
+(weights unpacked to float32 at load), MXFP6 fused with the LM head compressed too, and
+onnxruntime-genai's int4 model of the same checkpoint.
 Prints tokens/s (median of repeats, engines alternated), weight bytes on disk, and agreement with
 fp32: teacher-forced top-1 agreement on the fp32 greedy sequence for ours, and the length of the
 greedy prefix identical to fp32 for all. The checkpoint has random weights (no download), whose
@@ -27,7 +28,12 @@ from benchmarks.variants import build_cached
 from common.recipe import ModelSpec, Recipe
 from recipes.default_pair import cache_root
 
-ENGINES = {"fp32": (None, "fused"), "mxfp6_fused": ("fp6_e2m3", "fused"), "mxfp6_exact": ("fp6_e2m3", "exact")}
+ENGINES = {  # name -> (mx_format, lowering, mx_lm_head)
+    "fp32": (None, "fused", False),
+    "mxfp6_fused": ("fp6_e2m3", "fused", False),
+    "mxfp6_exact": ("fp6_e2m3", "exact", False),
+    "mxfp6_fused_lm_head": ("fp6_e2m3", "fused", True),
+}
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -45,8 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     tlm_dir = checkpoint("llama-220m", TLM, 0)
     arts, sizes = {}, {}
-    for name, (fmt, lowering) in ENGINES.items():
-        recipe = Recipe(name=f"bench-220m-{name}", tlm=ModelSpec(str(tlm_dir), mx_format=fmt, mx_lowering=lowering),
+    for name, (fmt, lowering, head) in ENGINES.items():
+        spec = ModelSpec(str(tlm_dir), mx_format=fmt, mx_lowering=lowering, mx_lm_head=head)
+        recipe = Recipe(name=f"bench-220m-{name}", tlm=spec,
                         k=4, prefill_chunk=32, context_length=512, max_prompt_length=64,
                         max_new_tokens=args.new_tokens, speculative=False)
         art_dir = build_cached(recipe, cache_root() / "bench" / f"mx-220m-{name}")

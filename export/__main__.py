@@ -1,12 +1,13 @@
-"""`python -m export --recipe NAME [--tlm DIR] [--dlm DIR] [--out DIR]`: export and compile."""
+"""`python -m export --recipe NAME [--tlm DIR] [--dlm DIR] [--mx-format F] [--out DIR]`: export and compile."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from common.recipe import RecipeError
+from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate
 from export.loader import ModelNotFoundError, is_available
 from recipes import DEFAULT_RECIPE, get_recipe, recipe_names
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .toml path (default {DEFAULT_RECIPE})")
     p.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
     p.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
+    p.add_argument("--mx-format", choices=[*MX_FORMATS, "none"], help="override the TLM's MX weight format")
+    p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and whether their weights are here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -37,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         recipe = get_recipe(args.recipe)
+        tlm = recipe.tlm
+        if args.mx_format:
+            tlm = replace(tlm, mx_format=None if args.mx_format == "none" else args.mx_format)
+        if args.mx_lowering:
+            tlm = replace(tlm, mx_lowering=args.mx_lowering)
+        recipe = validate(replace(recipe, tlm=tlm))
         out = args.out or Path("artifacts") / recipe.name
         path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet)
     except (RecipeError, ModelNotFoundError, VocabularyMismatchError, ValueError) as exc:

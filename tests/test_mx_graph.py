@@ -232,3 +232,16 @@ def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, 
                 p.copy_(p.half().float())
         ref = model(torch.tensor([TOKENS])).logits[0, -1].numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_export_cli_mx_flags(checkpoints, tmp_path, capsys):
+    from export.__main__ import main
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "cli-mx"\nprefill_chunk = 8\ncontext_length = 64\nmax_prompt_length = 32\n'
+                      f'speculative = false\n[tlm]\nmodel = "{checkpoints["llama-gqa"]}"\n')
+    out = tmp_path / "art"
+    assert main(["--recipe", str(recipe), "--mx-format", "fp6_e3m2", "--out", str(out), "--quiet"]) == 2
+    assert "exact" in capsys.readouterr().err and not out.exists()
+    assert main(["--recipe", str(recipe), "--mx-format", "fp6_e2m3", "--out", str(out), "--quiet"]) == 0
+    assert load_artifact(out).manifest.models["tlm"].quant["lowering"] == "fused"

@@ -72,8 +72,14 @@ def summarize(runs: list) -> dict:
     spec = [x.speculative for x in m if x.speculative]
     if spec:  # pooled over all rounds of all prompts, like the token rates
         accepted, rounds = sum(s["accepted"] for s in spec), sum(s["rounds"] for s in spec)
-        row["acceptance_rate"] = accepted / max(sum(s["drafted"] for s in spec), 1)
+        drafted = max(sum(s["drafted"] for s in spec), 1)
+        row["acceptance_rate"] = accepted / drafted
         row["mean_accepted_length"] = 1 + accepted / max(rounds, 1)
+        # where a round's time goes, pooled: one TLM scoring call, k DLM steps, host work
+        per_round = max(rounds, 1)
+        row["tlm_score_ms"] = 1000 * sum(s["tlm_score_step_s"] * s["rounds"] for s in spec) / per_round
+        row["dlm_step_ms"] = 1000 * sum(s["dlm_step_s"] * s["drafted"] for s in spec) / drafted
+        row["host_ms_per_round"] = 1000 * sum(s["host_overhead_per_round_s"] * s["rounds"] for s in spec) / per_round
     return row
 
 
@@ -113,6 +119,15 @@ def markdown(report: dict) -> str:
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
                      f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['rss_mib']:.0f} |")
+    lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM scoring call "
+              "of K+1 tokens, K DLM steps and host work; it yields `mean accepted` tokens where autoregressive "
+              "decoding spends one TLM step per token.", "",
+              "| configuration | AR ms per token | TLM score call | score / AR token | DLM step | host per round |",
+              "|---|---|---|---|---|---|"]
+    for spd, ar in (("SpD", "baseline"), ("MXFP6 + SpD", "MXFP6")):
+        s, step = rows[spd], 1000 / rows[ar]["decode_tokens_per_s"]
+        lines.append(f"| {spd} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
+                     f"{s['dlm_step_ms']:.2f} | {s['host_ms_per_round']:.2f} |")
     eq = report["greedy_spd_equals_ar"]
     lines += ["", "Greedy speculative output equals greedy autoregressive output of the same compiled TLM: "
               + ", ".join(f"{k}: {sum(v)}/{len(v)} prompts" for k, v in eq.items()) + "."]

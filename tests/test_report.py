@@ -34,7 +34,10 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
     assert "acceptance_rate" in data["configs"]["SpD"] and "acceptance_rate" not in data["configs"]["MXFP6"]
     assert data["greedy_spd_equals_ar"] == {"fp32": [True, True], "mxfp6": [True, True]}
     assert data["meta"]["precisions"]["MXFP6 TLM"].startswith("fp6_e2m3")
-    assert "| MXFP6 + SpD |" in (out / "report.md").read_text()
+    spd = data["configs"]["SpD"]
+    assert spd["tlm_score_ms"] > 0 and spd["dlm_step_ms"] > 0 and spd["host_ms_per_round"] >= 0
+    md = (out / "report.md").read_text()
+    assert "| MXFP6 + SpD |" in md and "Where the time goes" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -97,6 +97,10 @@ class ModelRunner:
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = session_options(threads)
+        # Generation alternates sessions (prefill, decode; DLM steps, TLM scoring). A pool whose
+        # threads spin after its call takes the cores from the next session's call: inside SpD
+        # that made a TLM scoring call cost 3x a decode step (docs/benchmarks.md).
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self._shared is not None:
             self._shared.attach(path, so)
         session = ort.InferenceSession(str(path), so, providers=PROVIDERS[target])

@@ -156,3 +156,10 @@ def test_shared_weights_are_one_copy_per_model(art):
                     needed.add((int(info["offset"]), int(info["length"])))
         assert needed and set(shared.values) == needed
         assert sum(n for _, n in shared.values) <= shared.map.size
+
+
+def test_sessions_do_not_spin_between_calls(art):
+    """Idle spinning pools steal the cores from the next session's call (docs/benchmarks.md)."""
+    for runner in (art.tlm, art.dlm):
+        for g in runner.graphs.values():
+            assert g.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"

@@ -24,6 +24,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# MX weights between the quant pass and the compiler: blocks of 32 along K, and the metadata key
+# recording the opset the graph had before the pass raised it for FLOAT6 DequantizeLinear.
+MX_BLOCK = 32
+MX_BASE_OPSET_KEY = "mx.base_opset"
+
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"

@@ -21,13 +21,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
+from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import rewrite_graph
 from quant import element_values, pack_fp6, unpack_fp6
-from quant.onnx_pass import BASE_OPSET_KEY
 
 LOWERINGS = ("fused", "exact")
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
-BLOCK = 32
 FP6_FORMATS = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2"}
 MS_DOMAIN = "com.microsoft"
 _SHIFTS = np.array([1, 64, 64**2, 64**3], dtype=np.int32)  # 4 codes of a 24-bit group, LSB first

@@ -22,17 +22,17 @@ import onnx
 from onnx import helper, numpy_helper
 from tqdm import tqdm
 
+from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
+from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import load_with_weights, rewrite_graph, save_shared
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
 MX_OPSET = 28  # first DequantizeLinear accepting FLOAT6 data with E8M0 scales
-BASE_OPSET_KEY = "mx.base_opset"  # metadata: the opset the graph had before the pass
 CODES_SUFFIX, SCALES_SUFFIX = ".mx_codes", ".mx_scales"
 ONNX_TYPES = {"fp6_e2m3": onnx.TensorProto.FLOAT6E2M3, "fp6_e3m2": onnx.TensorProto.FLOAT6E3M2}
 DECODER_LINEAR = re.compile(r"^(layers|h)\.\d+\..+\.weight\.T$")  # decoder blocks: Llama family, CodeGen
 LM_HEAD = "lm_head.weight.T"
-BLOCK = 32
 
 
 @dataclass(frozen=True)

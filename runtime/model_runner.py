@@ -86,7 +86,6 @@ class ModelRunner:
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
         self.calls = 0  # graph runs, for metrics
-        self.quant = entry.quant
         weights = Path(artifact_dir) / entry.weights
         prepack = entry.quant.get("lowering") == "fused"
         self._shared = SharedWeights(weights, prepack=prepack) if share_weights else None
@@ -99,7 +98,7 @@ class ModelRunner:
         so = session_options(threads)
         # Generation alternates sessions (prefill, decode; DLM steps, TLM scoring). A pool whose
         # threads spin after its call takes the cores from the next session's call: inside SpD
-        # that made a TLM scoring call cost 3x a decode step (docs/benchmarks.md).
+        # that made a TLM scoring call cost 2-3x a decode step (docs/benchmarks.md).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self._shared is not None:
             self._shared.attach(path, so)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from common.graph_io import ModelDims
 
@@ -61,21 +61,65 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        """Parse and schema-check a manifest: every field typed, every needed file listed."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ArtifactError(f"expected a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise ArtifactError(
                 f"artifact format version {version!r} is not supported (expected {FORMAT_VERSION}); "
                 "re-run `python -m export` with this version of the toolkit"
             )
-        models = {}
-        for role, m in data["models"].items():
-            graphs = {g: GraphEntry(**e) for g, e in m.pop("graphs").items()}
-            dims = ModelDims(**m.pop("dims"))
-            m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
-            models[role] = ModelEntry(dims=dims, graphs=graphs, **m)
-        data["models"] = models
-        return cls(**data)
+        manifest = _typed(cls, data, "manifest")
+        manifest._check_files()
+        return manifest
+
+    def needed_files(self) -> list[str]:
+        """The files loading needs: every graph and weights file (the tokenizer is checked as a folder)."""
+        return [f for m in self.models.values() for f in (*(g.file for g in m.graphs.values()), m.weights)]
+
+    def _check_files(self) -> None:
+        if "tlm" not in self.models:
+            raise ArtifactError("models: no 'tlm' entry")
+        for rel, digest in self.files.items():
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise ArtifactError(f"files: {rel!r} is not a path inside the artifact")
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ArtifactError(f"files[{rel!r}]: {digest!r} is not a sha256 hex digest")
+        unlisted = [f for f in self.needed_files() if f not in self.files]
+        if not any(Path(f).parts[0] == self.tokenizer_dir for f in self.files):
+            unlisted.append(f"{self.tokenizer_dir}/*")
+        if unlisted:
+            raise ArtifactError(f"files: no checksum for {unlisted}; every file the artifact needs must be listed")
+
+
+def _typed(kind: Any, value: Any, where: str) -> Any:
+    """Check `value` (parsed JSON) against a type annotation and build it; errors name the key."""
+    origin, args = get_origin(kind), get_args(kind)
+    if is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ArtifactError(f"{where}: expected an object, got {type(value).__name__}")
+        hints = get_type_hints(kind)
+        required = {f.name for f in fields(kind) if f.default is MISSING and f.default_factory is MISSING}
+        missing, unknown = sorted(required - set(value)), sorted(set(value) - set(hints))
+        if missing or unknown:
+            raise ArtifactError(f"{where}: missing keys {missing}, unknown keys {unknown}")
+        return kind(**{k: _typed(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+    if kind is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ArtifactError(f"{where}: expected an object, got {type(value).__name__}")
+        return {k: _typed(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ArtifactError(f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(_typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    ok = isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise ArtifactError(f"{where}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -90,6 +134,9 @@ def read_manifest(artifact_dir: Path, verify: bool = True) -> Manifest:
     """Load and (optionally) checksum an artifact; raise ArtifactError naming what is wrong."""
     artifact_dir = Path(artifact_dir)
     path = artifact_dir / MANIFEST_NAME
+    if artifact_dir.exists() and not artifact_dir.is_dir():
+        raise ArtifactError(f"{artifact_dir} is a file, not an artifact folder (pass the folder `python -m export` "
+                            "wrote, e.g. artifacts/<recipe>)")
     if not artifact_dir.is_dir():
         raise ArtifactError(f"no artifact at {artifact_dir}: the folder does not exist")
     if not path.is_file():
@@ -99,8 +146,10 @@ def read_manifest(artifact_dir: Path, verify: bool = True) -> Manifest:
         )
     try:
         manifest = Manifest.from_json(path.read_text())
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is corrupted: {exc}") from None
+    except ArtifactError as exc:
+        raise ArtifactError(f"{path}: {exc}") from None
     if verify:
         for rel, digest in manifest.files.items():
             f = artifact_dir / rel

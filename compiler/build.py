@@ -24,6 +24,7 @@ from common.graph_io import ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
 from common.onnx_store import load_with_weights, save_shared
 from common.recipe import Recipe
+from common.staging import MARKER, check_output, make_staging
 from compiler.mx_lowering import ACCURACY_LEVEL, MS_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PROVIDERS, session_options
 
@@ -108,16 +109,19 @@ def _tools() -> dict[str, str]:
 
 
 def compile_artifact(
-    exports: dict[str, Path], recipe: Recipe, out_dir: Path, progress: bool = True
+    exports: dict[str, Path], recipe: Recipe, out_dir: Path, progress: bool = True, force: bool = False
 ) -> Path:
-    """Compile exported models ({"tlm": dir, "dlm": dir}) into the artifact folder out_dir."""
+    """Compile exported models ({"tlm": dir, "dlm": dir}) into the artifact folder out_dir.
+
+    An existing out_dir is replaced only if it is empty or one of our artifacts (or `force`).
+    """
     if recipe.target not in PROVIDERS:
         raise ValueError(f"unknown target {recipe.target!r}; choose one of {sorted(PROVIDERS)}")
     start = time.perf_counter()
     out_dir = Path(out_dir).resolve()
+    check_output(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    staging.chmod(0o755)
+    staging = make_staging(out_dir, "partial")
     try:
         specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
@@ -127,7 +131,7 @@ def compile_artifact(
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")
         files = {
             str(p.relative_to(staging)): sha256_file(p)
-            for p in sorted(staging.rglob("*")) if p.is_file()
+            for p in sorted(staging.rglob("*")) if p.is_file() and p.name != MARKER
         }
         manifest = Manifest(
             name=recipe.name,
@@ -144,6 +148,8 @@ def compile_artifact(
             build_seconds=round(time.perf_counter() - start, 2),
         )
         (staging / MANIFEST_NAME).write_text(manifest.to_json())
+        check_output(out_dir, force)  # again: the user may have put files there meanwhile
+        (staging / MARKER).unlink()
         _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -155,8 +161,8 @@ def _replace_dir(staging: Path, out_dir: Path) -> None:
     """Swap the finished staging folder into place; an old artifact is removed only afterwards."""
     old = None
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
+        old = make_staging(out_dir, "old")  # marked, so a kill right here leaves nothing unrecognised
+        os.replace(out_dir, old / out_dir.name)
     os.replace(staging, out_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

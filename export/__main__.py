@@ -1,8 +1,9 @@
-"""`python -m export --recipe NAME [--tlm DIR] [--dlm DIR] [--mx-format F] [--out DIR]`: export and compile."""
+"""`python -m export --recipe NAME [--tlm DIR] [--dlm DIR] [--out DIR] [--force] ...`: export and compile."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and whether their weights are here")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out even if it is a non-empty folder that is not an artifact")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or notes")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     if args.list_recipes:
         _list()
         return 0
@@ -47,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
             tlm = replace(tlm, mx_lowering=args.mx_lowering)
         recipe = validate(replace(recipe, tlm=tlm))
         out = args.out or Path("artifacts") / recipe.name
-        path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet)
+        path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force)
     except (RecipeError, ModelNotFoundError, VocabularyMismatchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing was written (an existing artifact at --out is unchanged)", file=sys.stderr)
+        return 130
     print(f"compiled artifact: {path}")
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "codegen")
 
@@ -74,14 +75,41 @@ def check_supported(config: PretrainedConfig, context_length: int) -> None:
         )
 
 
-def load_model(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> PreTrainedModel:
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+class CheckpointError(ValueError):
+    """A local checkpoint that exists but cannot be used (unreadable config, NaN weights)."""
+
+
+def load_model(
+    model_dir: Path, context_length: int, trust_remote_code: bool = False, progress: bool = True
+) -> PreTrainedModel:
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{Path(model_dir) / 'config.json'} cannot be read as a model config: {exc}") from None
     check_supported(config, context_length)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir,
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-        dtype=torch.float32,
-        attn_implementation="eager",
-    )
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            dtype=torch.float32,
+            attn_implementation="eager",
+        )
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     return model.eval()
+
+
+def check_finite(model: PreTrainedModel, role: str = "model") -> None:
+    """Refuse NaN/Inf weights, naming the tensor: they would export fine and generate garbage."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            kinds = [k for k, bad in (("NaN", t.isnan()), ("Inf", t.isinf())) if bad.any()]
+            raise CheckpointError(
+                f"{role} weight {name!r} contains {' and '.join(kinds)} "
+                f"({int((~torch.isfinite(t)).sum())} of {t.numel()} values); the checkpoint is damaged"
+            )

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import tempfile
+import logging
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel
 
-from common.recipe import Recipe
+from common.recipe import ModelSpec, Recipe
+from common.staging import check_output, clean_stale, make_staging
 from compiler import compile_artifact
-from export.loader import load_model, resolve_model_dir
+from export.loader import check_finite, load_model, resolve_model_dir
 from export.onnx_export import export_model
 from quant.onnx_pass import float16_export, quantize_export
+
+log = logging.getLogger("mxspd.export")
 
 
 class VocabularyMismatchError(ValueError):
@@ -48,20 +52,33 @@ def build_artifact(
     tlm: str | None = None,
     dlm: str | None = None,
     progress: bool = True,
+    force: bool = False,
 ) -> Path:
-    """Export and compile a recipe; `tlm`/`dlm` override the recipe's model references."""
+    """Export and compile a recipe; `tlm`/`dlm` override the recipe's model references.
+
+    A `dlm` given for a recipe without a draft model becomes its draft model (float32). An existing
+    out_dir is replaced only if it is empty or one of our artifacts, unless `force`.
+    """
+    out_dir = Path(out_dir).resolve()
+    check_output(out_dir, force)
     if tlm is not None:
         recipe = replace(recipe, tlm=replace(recipe.tlm, model=tlm))
-    if dlm is not None and recipe.dlm is not None:
-        recipe = replace(recipe, dlm=replace(recipe.dlm, model=dlm))
+    if dlm is not None:
+        if recipe.dlm is None:
+            log.info("recipe %s has no draft model: adding %s as its DLM (float32)", recipe.name, dlm)
+        recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
-    models = {role: load_model(d, recipe.context_length) for role, d in dirs.items()}
+    models = {role: load_model(d, recipe.context_length, progress=progress) for role, d in dirs.items()}
+    for role, model in models.items():
+        check_finite(model, role.upper())
     if "dlm" in models:
         check_same_vocabulary(dirs["tlm"], dirs["dlm"], models["tlm"], models["dlm"])
-    out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.export-", dir=out_dir.parent) as tmp:
+    for folder in clean_stale(out_dir):
+        log.info("removed %s, left by an interrupted export", folder)
+    tmp = make_staging(out_dir, "export")
+    try:
         exports = {}
         for role, model in models.items():
             exports[role] = Path(tmp) / role
@@ -75,4 +92,6 @@ def build_artifact(
                 quantize_export(exports[role], spec.mx_format, spec.mx_lm_head, progress=progress)
             if spec.dtype == "float16":
                 float16_export(exports[role], progress=progress)
-        return compile_artifact(exports, recipe, out_dir, progress=progress)
+        return compile_artifact(exports, recipe, out_dir, progress=progress, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -139,7 +139,13 @@ def store_float16(model: onnx.ModelProto, cache: dict | None = None) -> int:
             keep.append(init)
             continue
         if init.name not in cache:
-            half = numpy_helper.to_array(init).astype(np.float16)
+            full = numpy_helper.to_array(init)
+            if np.isnan(full).any():
+                raise ValueError(f"weight {init.name!r} contains NaN")
+            if np.isinf(full).any():
+                raise ValueError(f"weight {init.name!r} contains Inf")
+            with np.errstate(over="ignore"):
+                half = full.astype(np.float16)
             if not np.isfinite(half).all():
                 raise ValueError(f"weight {init.name!r} has values beyond float16's range (65504)")
             cache[init.name] = numpy_helper.from_array(half, init.name + ".fp16")

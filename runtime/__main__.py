@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from runtime import load_artifact, stream
+    from runtime.model_runner import NonFiniteLogitsError
 
     try:
         art = load_artifact(args.artifact)
@@ -34,14 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative)
         results = []
+        pieces = stream(art, prompt, on_done=results.append, **kw)  # checks every argument first
         print(prompt, end="", flush=True)
-        text = "".join(
-            piece if args.no_stream else print(piece, end="", flush=True) or piece
-            for piece in stream(art, prompt, on_done=results.append, **kw)
-        )
-    except (ArtifactError, TargetUnavailableError, ValueError) as exc:
+        text = "".join(piece if args.no_stream else print(piece, end="", flush=True) or piece for piece in pieces)
+    except (ArtifactError, TargetUnavailableError, NonFiniteLogitsError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     if args.no_stream:
         print(text, end="")
     r = results[0]

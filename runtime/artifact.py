@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +16,10 @@ from compiler.targets import check_target
 from runtime.model_runner import ModelRunner
 
 
+class ArtifactBusyError(RuntimeError):
+    """A second generation started on an artifact whose runners a live generation holds."""
+
+
 @dataclass
 class Artifact:
     path: Path
@@ -21,6 +28,28 @@ class Artifact:
     runners: dict[str, ModelRunner]
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _owner: int | None = field(default=None, repr=False)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the artifact's runners for one generation: their caches are the generation's state.
+
+        Another thread waits its turn; a second live generation in the same thread (e.g. two
+        interleaved stream() iterators) would corrupt the first, so it is refused instead.
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            raise ArtifactBusyError(
+                f"artifact {self.path} is in use by another generation in this thread (an unfinished "
+                "stream() iterator?): finish or close() it first, or load the artifact once per stream"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
 
     @property
     def tlm(self) -> ModelRunner:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 
 import numpy as np
@@ -90,24 +91,30 @@ class Generation:
         return any(s in tail for s in self.stop)
 
     def __iter__(self) -> Iterator[int]:
+        with self.art.exclusive():
+            yield from self._run()
+
+    def _run(self) -> Iterator[int]:
         start = time.perf_counter()
         ids: list[int] = []
         finish, ttft = "length", 0.0
         tokens = self._tokens()
-        for token in tokens:
-            if not ids:
-                ttft = time.perf_counter() - start
-            ids.append(token)
-            yield token
-            if token in self.art.eos_token_ids:
-                finish = "eos"
-                break
-            if self._hit_stop(ids):
-                finish = "stop"
-                break
-            if len(ids) >= self.max_new_tokens:
-                break
-        tokens.close()
+        try:
+            for token in tokens:
+                if not ids:
+                    ttft = time.perf_counter() - start
+                ids.append(token)
+                yield token
+                if token in self.art.eos_token_ids:
+                    finish = "eos"
+                    break
+                if self._hit_stop(ids):
+                    finish = "stop"
+                    break
+                if len(ids) >= self.max_new_tokens:
+                    break
+        finally:
+            tokens.close()
         total = time.perf_counter() - start
         decode = total - ttft
         metrics = Metrics(
@@ -125,9 +132,42 @@ class Generation:
         self.result = GenerationResult(ids, text, finish, metrics)
 
 
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids: a sequence (or 1-D array) of integers, nothing else."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+        raise TypeError(f"prompt: token ids must be 1-D, got an array of shape {prompt.shape}")
+    if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, (bytes, bytearray)):
+        raise TypeError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral)]
+    if bad:
+        raise TypeError(f"prompt: token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in prompt]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_optional_bool(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop: an empty stop string would match everywhere; remove it")
+    return tuple(stop)
+
+
 def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None = None) -> list[int]:
     if not isinstance(prompt, str):
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
     else:
         chat = art.manifest.recipe.get("chat_template", False) if chat is None else chat
         tok = art.tokenizer
@@ -167,13 +207,18 @@ def start_generation(
 ) -> Generation:
     """Validate everything up front (so bad input fails before any work) and set up a Generation."""
     params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    if max_new_tokens is not None:
+        _check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        _check_int("seed", seed, 0)
+    stop = _stop_strings(stop)
+    _check_optional_bool("speculative", speculative)
+    _check_optional_bool("chat", chat)
+    if draft_sampling is not None and not isinstance(draft_sampling, SamplingParams):
+        raise TypeError(f"draft_sampling must be a SamplingParams or None, got {type(draft_sampling).__name__}")
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     if max_new_tokens is None:
         max_new_tokens = int(art.manifest.recipe.get("max_new_tokens", 128))
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if isinstance(stop, str):
-        stop = (stop,)
     if speculative is None:
         speculative = bool(art.manifest.recipe.get("speculative", False)) and "dlm" in art.runners
     if speculative:
@@ -201,8 +246,14 @@ def stream(
     on_done: Callable[[GenerationResult], None] | None = None,
     **kwargs,
 ) -> Iterator[str]:
-    """Yield decoded text pieces as tokens are produced (same keywords as generate())."""
-    gen = start_generation(artifact, prompt, **kwargs)
+    """Yield decoded text pieces as tokens are produced (same keywords as generate()).
+
+    Arguments are checked now, before the first piece is asked for.
+    """
+    return _stream(start_generation(artifact, prompt, **kwargs), on_done)
+
+
+def _stream(gen: Generation, on_done: Callable[[GenerationResult], None] | None) -> Iterator[str]:
     tok = gen.art.tokenizer
     ids: list[int] = []
     shown = ""

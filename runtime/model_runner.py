@@ -21,6 +21,10 @@ from common.manifest import ModelEntry
 from compiler.targets import PROVIDERS, session_options
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """A model call whose logits hold NaN/Inf: emitting a token from them would be silent garbage."""
+
+
 @dataclass
 class _BoundGraph:
     tokens: int
@@ -152,6 +156,11 @@ class ModelRunner:
         g.mask[0, pad, c + pad] = True
         g.session.run_with_iobinding(g.binding)
         self.calls += 1
+        if not np.isfinite(g.logits[0, :n]).all():
+            raise NonFiniteLogitsError(
+                f"graph {graph!r} produced NaN/Inf logits at position {start}..{start + n - 1}: no token "
+                "can be chosen from them (damaged weights, or values overflowing the weight format)"
+            )
         for cache, new in zip(self.cache, g.new_kv, strict=True):
             cache[:, :, start : start + n] = new[:, :, :n]
         self.length = start + n

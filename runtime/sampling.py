@@ -83,7 +83,9 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out = np.zeros(x.shape, dtype=np.float64)
         np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    x = x / float(params.temperature)
+    # Shift before dividing: a tiny temperature then sends the others to -inf, never the top to +inf.
+    with np.errstate(over="ignore"):
+        x = (x - np.max(x, axis=-1, keepdims=True)) / float(params.temperature)
     if params.top_k > 0:
         x = np.where(_top_k_mask(x, int(params.top_k)), x, -np.inf)
     if params.top_p < 1.0:

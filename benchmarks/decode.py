@@ -23,8 +23,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import runtime
+from benchmarks.variants import build_cached
 from common.recipe import ModelSpec, Recipe
-from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer, cache_root
 
 TLM = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
@@ -88,16 +88,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--skip-genai", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--no-share-weights", action="store_true", help="let ORT prepack a weight copy per graph")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     tlm_dir, dlm_dir = checkpoint("llama-220m", TLM, 0), checkpoint("llama-20m", DLM, 1)
     recipe = Recipe(name="bench-220m", tlm=ModelSpec(str(tlm_dir)), dlm=ModelSpec(str(dlm_dir)), k=args.k,
                     prefill_chunk=32, context_length=512, max_prompt_length=64, max_new_tokens=args.new_tokens)
     art_dir = cache_root() / "bench" / "artifact-220m"
-    if not (art_dir / "manifest.json").is_file():
-        build_artifact(recipe, art_dir)
-    art = runtime.load_artifact(art_dir, share_weights=not args.no_share_weights)
+    build_cached(recipe, art_dir)
+    art = runtime.load_artifact(art_dir)
     prompt = [0] + list(np.random.default_rng(0).integers(4, 32000, 15))
     n = args.new_tokens
     og_model = None
@@ -121,7 +119,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "new_tokens": n, "repeats": args.repeats,
         "median_tokens_per_s": {k: float(np.median(v)) for k, v in rows.items() if v},
-        "share_weights": not args.no_share_weights, "load_s": art.load_seconds,
+        "load_s": art.load_seconds,
         "weights_mib": sum(p.stat().st_size for p in art_dir.rglob("weights.bin")) / 2**20,
     }
     med = report["median_tokens_per_s"]

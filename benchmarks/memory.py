@@ -1,41 +1,57 @@
-"""Resident memory of a loaded artifact against the size of its weights files.
+"""Memory of a loaded artifact as proportional set size (PSS), against one copy of its weights.
 
-    python -m benchmarks.memory ARTIFACT [--no-share-weights]
+    python -m benchmarks.memory ARTIFACT [--heap-prepacked]
 
-Checks that the graphs of one model (prefill, decode, score) do not each hold their own copy of
-the weights: RSS after load and after generating should stay near one copy of the weights.
+PSS, not RSS: RSS counts a page of a shared file mapping once per mapping, PSS once. Checks that
+the graphs of one model (prefill, decode, score) do not each hold their own copy of the weights:
+PSS after load and after generating should stay near one prepacked copy plus the runtime's
+baseline. `--heap-prepacked` loads a copy of the artifact without its stored prepacked weights,
+so every session prepacks a private copy (the layout before build-time prepacking), for comparison.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def smaps_mib() -> dict[str, float]:
+    """Pss and Anonymous of this process, MiB (/proc/self/smaps_rollup)."""
+    out = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Pss", "Anonymous", "Rss"):
+            out[key.lower()] = int(value.split()[0]) / 1024
+    return out
 
 
 def main() -> None:
     art_dir = Path(sys.argv[1])
-    share = "--no-share-weights" not in sys.argv
+    heap = "--heap-prepacked" in sys.argv
     import runtime
+    from benchmarks.variants import heap_prepacked_copy, prepacked_bytes
 
-    base = rss_mib()
-    art = runtime.load_artifact(art_dir, share_weights=share)
-    loaded = rss_mib()
-    runtime.generate(art, [0, 5, 6, 7], max_new_tokens=16, speculative=False)
-    after = rss_mib()
-    weights = {p.parent.name: p.stat().st_size / 2**20 for p in art_dir.rglob("weights.bin")}
-    graphs = {role: len(m.graphs) for role, m in art.manifest.models.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        load_dir = heap_prepacked_copy(art_dir, Path(tmp) / "heap") if heap else art_dir
+        base = smaps_mib()
+        art = runtime.load_artifact(load_dir, verify=not heap)
+        loaded = smaps_mib()
+        runtime.generate(art, [0, 5, 6, 7], max_new_tokens=16, speculative=False)
+        after = smaps_mib()
+    mib = {role: round(prepacked_bytes(art_dir, role) / 2**20, 1) for role in art.manifest.models}
+    one_copy = sum(mib.values())
     print(json.dumps({
-        "rss_mib_after_imports": round(base, 1), "rss_mib_after_load": round(loaded, 1),
-        "rss_mib_after_generate": round(after, 1), "weights_mib": {k: round(v, 1) for k, v in weights.items()},
-        "graphs_per_model": graphs, "share_weights": share, "load_s": round(art.load_seconds, 2),
+        "heap_prepacked": heap,
+        "after_imports_mib": {k: round(v, 1) for k, v in base.items()},
+        "after_load_mib": {k: round(v, 1) for k, v in loaded.items()},
+        "after_generate_mib": {k: round(v, 1) for k, v in after.items()},
+        "prepacked_copy_mib": mib,
+        "weights_file_mib": {p.parent.name: round(p.stat().st_size / 2**20, 1) for p in art_dir.rglob("weights.bin")},
+        "pss_growth_over_one_prepacked_copy": round((after["pss"] - base["pss"]) / one_copy, 3) if one_copy else None,
+        "graphs_per_model": {role: len(m.graphs) for role, m in art.manifest.models.items()},
+        "load_s": round(art.load_seconds, 3),
     }, indent=2))
 
 

@@ -40,11 +40,11 @@ CONFIGS = {  # name -> (artifact, speculative)
 
 
 def memory_mib(art_dir: Path) -> dict:
-    """RSS of a fresh process that loads the artifact and generates (benchmarks.memory)."""
+    """PSS of a fresh process that loads the artifact and generates (benchmarks.memory)."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", str(art_dir)], capture_output=True,
                           text=True, check=True, cwd=Path(__file__).resolve().parents[1])
     out = json.loads(proc.stdout)
-    return {"rss_after_generate_mib": out["rss_mib_after_generate"], "weights_mib": out["weights_mib"]}
+    return {"pss_after_generate_mib": out["after_generate_mib"]["pss"], "weights_mib": out["weights_file_mib"]}
 
 
 def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int) -> dict:
@@ -112,13 +112,13 @@ def markdown(report: dict) -> str:
              f"{meta['repeats']} repeats after {meta['warmup']} warm-up, greedy, up to {meta['max_new_tokens']} "
              f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), {meta['machine']['cores']} cores.",
              "",
-             "| configuration | decode tok/s | speedup | e2e tok/s | TTFT ms | acceptance | mean accepted | RSS MiB |",
+             "| configuration | decode tok/s | speedup | e2e tok/s | TTFT ms | acceptance | mean accepted | PSS MiB |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
-                     f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['rss_mib']:.0f} |")
+                     f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['pss_mib']:.0f} |")
     lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM scoring call "
               "of K+1 tokens, K DLM steps and host work; it yields `mean accepted` tokens where autoregressive "
               "decoding spends one TLM step per token.", "",
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     memory = {k: memory_mib(d) for k, d in dirs.items()}
     for name, row in rows.items():
         row["speedup"] = row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
-        row["rss_mib"] = memory[CONFIGS[name][0]]["rss_after_generate_mib"]
+        row["pss_mib"] = memory[CONFIGS[name][0]]["pss_after_generate_mib"]
     report = {"meta": metadata(recipe, arts, args), "status": "measured", "configs": rows,
               "greedy_spd_equals_ar": greedy_equal(runs),
               "weights_mib": {k: v["weights_mib"] for k, v in memory.items()}}

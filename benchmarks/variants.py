@@ -1,13 +1,19 @@
-"""Artifacts of one recipe with a different TLM precision, built once and reused while unchanged."""
+"""Artifacts of one recipe with a different TLM precision, built once and reused while unchanged;
+and a copy of an artifact without its stored prepacked weights, to measure what they buy."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from common.manifest import MANIFEST_NAME
+import onnx
+
+from common.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
 from common.recipe import Recipe
+from compiler.targets import platform_signature
 from export.pipeline import build_artifact
 
 
@@ -19,10 +25,48 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
 
 
 def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
-    """Build `recipe` into out_dir unless an artifact of exactly this recipe is already there."""
+    """Build `recipe` into out_dir unless an artifact of exactly this recipe, format and platform is there."""
     manifest = Path(out_dir) / MANIFEST_NAME
-    if manifest.is_file() and json.loads(manifest.read_text()).get("recipe") == json.loads(
-        json.dumps(recipe.to_dict())
-    ):
-        return Path(out_dir)
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        if (data.get("recipe") == json.loads(json.dumps(recipe.to_dict()))
+                and data.get("format_version") == FORMAT_VERSION
+                and data.get("prepacked_for") in ({}, platform_signature())):
+            return Path(out_dir)
     return build_artifact(recipe, Path(out_dir), progress=progress)
+
+
+def _graph_files(art_dir: Path) -> list[Path]:
+    m = read_manifest(art_dir, verify=False)
+    return [art_dir / g.file for entry in m.models.values() for g in entry.graphs.values()]
+
+
+def prepacked_bytes(art_dir: Path, role: str) -> int:
+    """Bytes of one model's distinct prepacked blobs plus its weights that have none (one copy in use)."""
+    blobs: dict[str, int] = {}
+    for path in _graph_files(art_dir):
+        if path.parent.name != role:
+            continue
+        for t in onnx.load(str(path), load_external_data=False).graph.initializer:
+            info = {e.key: e.value for e in t.external_data}
+            packed = [v for k, v in info.items() if k.startswith("prepacked")]
+            for v in packed or [f"raw|{info.get('offset')};{info.get('length', 0)};0"] * bool(info):
+                blobs[v.split("|")[1]] = int(v.split("|")[1].split(";")[1])
+    return sum(blobs.values())
+
+
+def heap_prepacked_copy(art_dir: Path, out_dir: Path) -> Path:
+    """A copy of the artifact whose graphs do not reference their prepacked blobs, so ONNX Runtime
+    prepacks a private copy per session (weights files hard-linked; load it with verify=False)."""
+    shutil.copytree(art_dir, out_dir, copy_function=os.link)
+    for path in _graph_files(out_dir):
+        model = onnx.load(str(path), load_external_data=False)
+        for t in model.graph.initializer:
+            keep = [(e.key, e.value) for e in t.external_data if not e.key.startswith("prepacked")]
+            del t.external_data[:]
+            for k, v in keep:
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+        path.unlink()  # a hard link: replace, never write through to the original
+        path.write_bytes(model.SerializeToString())
+    return out_dir

@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from common.graph_io import ModelDims
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: graphs carry ONNX Runtime's prepacked weights in the shared weights file
 MANIFEST_NAME = "manifest.json"
 
 
@@ -53,6 +53,7 @@ class Manifest:
     files: dict[str, str]  # relative path -> sha256
     recipe: dict[str, Any]
     tools: dict[str, str]
+    prepacked_for: dict[str, str] = field(default_factory=dict)  # platform the prepacked weights fit
     build_seconds: float = 0.0
     format_version: int = FORMAT_VERSION
 

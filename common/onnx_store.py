@@ -4,6 +4,10 @@ Graphs of a model (prefill, decode, score) are traced separately, so each arrive
 copy of every weight. Here identical tensors (same bytes, dtype and shape) are stored once in a
 single external-data file, page-aligned so ONNX Runtime can memory-map it, and every graph points
 at the same offsets. Small tensors stay inline.
+
+Optimised graphs may also carry ONNX Runtime's prepacked weights: an `external_data` entry
+`prepacked_N` = `KEY|offset;length;alignment` beside the raw tensor's own location. Those blobs are
+deduplicated into the same file the same way, so every session of the model maps one copy.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import numpy_helper
@@ -39,26 +44,30 @@ def _point_at(t: onnx.TensorProto, location: str, offset: int, length: int) -> N
     t.data_location = onnx.TensorProto.EXTERNAL
 
 
-def save_shared(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name: str) -> dict[str, Path]:
-    """Save each model as out_dir/<key>.onnx; large initializers go once into out_dir/weights_name."""
+class _SharedFile:
+    """An external-data file in which each distinct byte string is written once, page-aligned."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.offsets: dict[str, tuple[int, int]] = {}
+
+    def put(self, key: str, data: bytes) -> tuple[int, int]:
+        if key not in self.offsets:
+            self.f.write(b"\0" * ((-self.f.tell()) % ALIGN))  # ORT maps prepacked blobs only if aligned
+            self.offsets[key] = (self.f.tell(), len(data))
+            self.f.write(data)
+        return self.offsets[key]
+
+
+def _save_all(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name: str, place) -> dict[str, Path]:
+    """Write out_dir/weights_name through `place(shared_file, key, model)`, then each model's .onnx."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    offsets: dict[str, tuple[int, int]] = {}
     written: dict[str, Path] = {}
     with open(out_dir / weights_name, "wb") as wf:
+        shared = _SharedFile(wf)
         for key, model in models.items():
-            for t in model.graph.initializer:
-                data = _tensor_bytes(t)
-                if len(data) < INLINE_LIMIT:
-                    continue
-                ck = _content_key(t, data)
-                if ck not in offsets:
-                    pad = (-wf.tell()) % ALIGN
-                    wf.write(b"\0" * pad)
-                    offsets[ck] = (wf.tell(), len(data))
-                    wf.write(data)
-                offset, length = offsets[ck]
-                _point_at(t, weights_name, offset, length)
+            place(shared, key, model)
             path = out_dir / f"{key}.onnx"
             with open(path, "wb") as f:
                 f.write(model.SerializeToString())
@@ -66,6 +75,62 @@ def save_shared(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name:
         wf.flush()
         os.fsync(wf.fileno())
     return written
+
+
+def save_shared(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name: str) -> dict[str, Path]:
+    """Save each model as out_dir/<key>.onnx; large initializers go once into out_dir/weights_name."""
+
+    def place(shared: _SharedFile, key: str, model: onnx.ModelProto) -> None:
+        for t in model.graph.initializer:
+            data = _tensor_bytes(t)
+            if len(data) >= INLINE_LIMIT:
+                _point_at(t, weights_name, *shared.put(_content_key(t, data), data))
+
+    return _save_all(models, out_dir, weights_name, place)
+
+
+def _read(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise ValueError(f"{path}: external data at {offset} is {len(data)} bytes, not {length}")
+    return data
+
+
+def merge_external(graphs: dict[str, Path], out_dir: Path, weights_name: str) -> dict[str, Path]:
+    """Copy graphs saved with their own external data (and prepacked blobs) into out_dir, sharing
+    one deduplicated weights file; each prepacked entry keeps its key and points at its new offset."""
+    models = {key: onnx.load(str(path), load_external_data=False) for key, path in graphs.items()}
+
+    def place(shared: _SharedFile, key: str, model: onnx.ModelProto) -> None:
+        src_dir = Path(graphs[key]).parent
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            src = src_dir / info["location"]
+            data = _read(src, int(info.get("offset", 0)), int(info["length"]))
+            _point_at(t, weights_name, *shared.put(_content_key(t, data), data))
+            for name, value in info.items():
+                if name.startswith("prepacked"):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = name, _move_prepacked(value, src, shared)
+
+    return _save_all(models, out_dir, weights_name, place)
+
+
+def _move_prepacked(value: str, src: Path, shared: _SharedFile) -> str:
+    """`KEY|offset;length;alignment` read from src, stored in the shared file, pointed at anew."""
+    try:
+        key, where = value.split("|")
+        offset, length, alignment = (int(x) for x in where.split(";"))
+    except ValueError:
+        raise ValueError(f"unexpected prepacked weights entry {value!r} (one KEY|offset;length;alignment "
+                         "segment expected): an ONNX Runtime version this compiler does not know") from None
+    data = _read(src, offset, length)
+    new_offset, _ = shared.put("prepacked:" + hashlib.sha256(data).hexdigest(), data)
+    return f"{key}|{new_offset};{length};{alignment}"
 
 
 def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], first: list[onnx.NodeProto]) -> None:

@@ -22,19 +22,21 @@ from tqdm import tqdm
 
 from common.graph_io import ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
-from common.onnx_store import load_with_weights, save_shared
+from common.onnx_store import load_with_weights, merge_external, save_shared
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
 from compiler.mx_lowering import ACCURACY_LEVEL, MS_DOMAIN, lower_model
-from compiler.targets import OFFLINE_LEVEL, PROVIDERS, session_options
+from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 
 EXPORT_INFO = "export.json"
 
 
-def _optimize(graph: Path, target: str, workdir: Path, fold: bool = True) -> onnx.ModelProto:
+def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     """Run ONNX Runtime's graph optimisers once, now, and keep the result.
 
-    `fold=False` keeps constant subgraphs (MX unpacking) for load time, so the artifact stays packed.
+    Constant subgraphs (MX unpacking, float16 Casts) fold here, and on the CPU target the session
+    also writes every weight's prepacked form beside it, so a loading session maps those blobs
+    instead of repacking a private copy per graph.
     """
     so = session_options()
     so.graph_optimization_level = OFFLINE_LEVEL[target]
@@ -42,9 +44,10 @@ def _optimize(graph: Path, target: str, workdir: Path, fold: bool = True) -> onn
     so.optimized_model_filepath = str(out)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{out.stem}.bin")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    disabled = [] if fold else ["ConstantFolding"]
-    ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
-    return onnx.load(str(out), load_external_data=True)
+    if target in PREPACKED_TARGETS:
+        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    return out
 
 
 def _lower(export_dir: Path, name: str, lowering: str, workdir: Path) -> tuple[Path, dict[str, str]]:
@@ -56,11 +59,10 @@ def _lower(export_dir: Path, name: str, lowering: str, workdir: Path) -> tuple[P
 
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
-    """The optimised graph must still hold every lowered weight packed: never full precision silently."""
-    inits = {t.name for t in graph.graph.initializer}
+    """Fused: every lowered weight must still run through MatMulNBits, never full precision silently.
+    (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
     fused = {n.input[1] for n in graph.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN}
-    lost = [w for w in lowered if w + ".packed6" not in inits or w in inits
-            or (lowering == "fused" and w + ".unpacked" not in fused)]
+    lost = [w for w in lowered if w + ".unpacked" not in fused] if lowering == "fused" else []
     if lost or not lowered:
         raise RuntimeError(f"graph {name!r}: MX lowering {lowering!r} did not survive optimisation for "
                            f"{len(lost) or 'all'} weights (first: {lost[:3]})")
@@ -69,23 +71,22 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
 def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, progress: bool) -> ModelEntry:
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
-    graphs: dict[str, onnx.ModelProto] = {}
+    optimized: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         items = tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress)
         for name in items:
-            if not quant:  # float16 storage: keep its Casts for load time too
-                fold = info.get("storage_dtype", "float32") == "float32"
-                graphs[name] = _optimize(export_dir / f"{name}.onnx", target, Path(work), fold=fold)
-                continue
-            path, lowered = _lower(export_dir, name, lowering, Path(work))
-            graphs[name] = _optimize(path, target, Path(work), fold=False)
-            _check_lowered(graphs[name], name, lowering, lowered)
-            quant["lowered_weights"] = len(lowered)  # the same weights in every graph
-        save_shared(graphs, out_dir, info["weights"])
+            graph = export_dir / f"{name}.onnx"
+            if quant:
+                graph, lowered = _lower(export_dir, name, lowering, Path(work))
+            optimized[name] = _optimize(graph, target, Path(work))
+            if quant:
+                _check_lowered(onnx.load(str(optimized[name]), load_external_data=False), name, lowering, lowered)
+                quant["lowered_weights"] = len(lowered)  # the same weights in every graph
+        merge_external(optimized, out_dir, info["weights"])
     if quant:
         quant["lowering"] = lowering
         quant["kernel"] = (f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}"
-                           if lowering == "fused" else "float32 MatMul on weights unpacked at load")
+                           if lowering == "fused" else "float32 MatMul on the MXFP6 values")
     return ModelEntry(
         source=info["source"],
         model_type=info["model_type"],
@@ -145,6 +146,7 @@ def compile_artifact(
             files=files,
             recipe=recipe.to_dict(),
             tools=_tools(),
+            prepacked_for=platform_signature() if recipe.target in PREPACKED_TARGETS else {},
             build_seconds=round(time.perf_counter() - start, 2),
         )
         (staging / MANIFEST_NAME).write_text(manifest.to_json())

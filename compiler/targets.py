@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import onnxruntime as ort
 
@@ -17,6 +19,42 @@ OFFLINE_LEVEL = {
     "ort-cpu": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "ort-cuda": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
 }
+
+
+# Targets whose compiled graphs carry ONNX Runtime's prepacked weights (CPU kernels' layouts).
+PREPACKED_TARGETS = ("ort-cpu",)
+# CPU features that select MLAS kernels, and so the layout of prepacked weights.
+_KERNEL_FLAGS = (
+    "sse3", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
+    "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
+    "asimd", "asimddp", "i8mm", "bf16", "sve", "sme",
+)
+
+
+def platform_signature() -> dict[str, str]:
+    """What prepacked weights built here are valid for: ONNX Runtime's version and the CPU's kernels."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags |= set(line.split(":", 1)[1].split()) & set(_KERNEL_FLAGS)
+    except OSError:
+        pass
+    return {"onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_flags": " ".join(sorted(flags))}
+
+
+def check_prepacked(built_for: dict[str, str]) -> None:
+    """Refuse prepacked weights built for another ONNX Runtime or CPU: ORT would either fail on them or
+    silently repack a private copy in every session."""
+    here = platform_signature()
+    if built_for and built_for != here:
+        diff = {k: (built_for.get(k), here.get(k)) for k in sorted(set(built_for) | set(here))
+                if built_for.get(k) != here.get(k)}
+        raise TargetUnavailableError(
+            "this artifact's prepacked weights were built for another platform: "
+            + "; ".join(f"{k}: artifact {a!r}, this machine {b!r}" for k, (a, b) in diff.items())
+            + ". Re-run `python -m export` on this machine (prepacking is done at build time)."
+        )
 
 
 class TargetUnavailableError(RuntimeError):

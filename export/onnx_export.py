@@ -96,9 +96,12 @@ def _example_inputs(dims: ModelDims, tokens: int, context: int, batch: int) -> t
     return (ids, pos, mask, *past)
 
 
-def trace_graph(model: PreTrainedModel, tokens: int, context: int, batch: int = 1) -> onnx.ModelProto:
+def trace_graph(
+    model: PreTrainedModel, tokens: int, context: int, batch: int = 1, split_attention: bool = True
+) -> onnx.ModelProto:
+    """One fixed-shape graph; `split_attention=False` (transformers' concat attention) is a benchmark baseline."""
     dims = model_dims(model)
-    wrapper = ExplicitKVWrapper(model).eval()
+    wrapper = ExplicitKVWrapper(model, split=split_attention).eval()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         path = Path(tmp) / "graph.onnx"

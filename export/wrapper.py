@@ -1,9 +1,11 @@
 """Wraps a transformers causal LM so that its KV cache and attention mask are explicit tensors.
 
-We reuse transformers' own modules (attention, RoPE, norms) rather than re-deriving each
-architecture: the wrapper only moves the cache and the mask to the graph boundary. The model is
-fed a cache that already holds all C slots; it appends the T new tokens' KV, and the mask (built by
-the host) says which of the C + T keys each new token may see.
+We reuse transformers' own modules (projections, RoPE, norms) rather than re-deriving each
+architecture: the wrapper only moves the cache and the mask to the graph boundary. The C past slots
+are graph inputs that attention reads in place (export/split_attention.py): transformers' own
+attention would concatenate the T new tokens' KV onto them, copying the whole cache every call.
+The mask (built by the host) says which of the C + T keys each new token may see. Every supported
+family splits, CodeGen included (its `_attn` is replaced while tracing).
 """
 
 from __future__ import annotations
@@ -11,12 +13,21 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from export.split_attention import SplitCache, split_attention
+
 
 class ExplicitKVWrapper(torch.nn.Module):
-    def __init__(self, model: PreTrainedModel) -> None:
+    """forward(input_ids, position_ids, bool mask [B, T, C + T], *past KV) -> (logits, *new KV).
+
+    `split=False` traces transformers' own attention, which concatenates past and new KV; it is
+    kept only as the baseline of benchmarks/attention_cost.py.
+    """
+
+    def __init__(self, model: PreTrainedModel, split: bool = True) -> None:
         super().__init__()
         self.model = model
         self.n_layers = model.config.num_hidden_layers
+        self.split = split
 
     def forward(
         self,
@@ -25,22 +36,22 @@ class ExplicitKVWrapper(torch.nn.Module):
         attention_mask: torch.Tensor,
         *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        cache = DynamicCache()
-        for i in range(self.n_layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
         dtype = past[0].dtype
         additive = torch.where(
             attention_mask, torch.tensor(0.0, dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
         )[:, None]  # [B, 1, T, C + T], the form transformers accepts as a prepared 4D mask
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=additive,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=additive, use_cache=True)
+        if self.split:
+            cache = SplitCache(past)
+            with split_attention(self.model, cache) as extra:
+                out = self.model(**inputs, past_key_values=cache, **extra)
+            return (out.logits.float(), *cache.new_kv())
+        concat = DynamicCache()
+        for i in range(self.n_layers):
+            concat.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(**inputs, past_key_values=concat)
         t = input_ids.shape[1]
         new: list[torch.Tensor] = []
-        for layer in cache.layers:
+        for layer in concat.layers:
             new += [layer.keys[:, :, -t:], layer.values[:, :, -t:]]
         return (out.logits.float(), *new)

@@ -156,9 +156,13 @@ def perplexity(model: LlamaForCausalLM, stream: np.ndarray, seq_len: int = 256) 
 
 
 def builtin_model_dir(name: str) -> Path:
-    """The shipped checkpoint folder of a builtin model."""
+    """The shipped checkpoint folder of a builtin model (widened ones are built into the cache on first use)."""
+    from recipes import widen  # late: widen calls back into this module
+
+    if name in widen.WIDE_MODELS:
+        return widen.wide_model_dir(name)
     if name not in CONFIGS:
-        raise ValueError(f"unknown builtin model {name!r}; available: {sorted(CONFIGS)}")
+        raise ValueError(f"unknown builtin model {name!r}; available: {sorted(CONFIGS) + sorted(widen.WIDE_MODELS)}")
     target = BUILTIN_DIR / name
     if not (target / "config.json").is_file() or not (target / "model.safetensors").is_file():
         raise FileNotFoundError(

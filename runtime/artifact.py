@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.manifest import ArtifactError, Manifest, read_manifest
-from compiler.targets import check_target
+from compiler.targets import check_prepacked, check_target
 from runtime.model_runner import ModelRunner
 
 
@@ -62,27 +63,32 @@ class Artifact:
         return self.runners["dlm"]
 
 
-def load_artifact(
-    path: str | Path, verify: bool = True, threads: int | None = None, share_weights: bool = True
-) -> Artifact:
-    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError).
+def _return_freed_heap() -> None:
+    """ONNX Runtime prepacks each weight once more at load to match it with its mapped blob, then
+    frees that copy; glibc keeps freed heap unless asked, which would look like a second copy."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to ask
 
-    share_weights=True keeps one memory-mapped copy of each model's weights for all its graphs;
-    False lets ONNX Runtime prepack a private copy per graph: more memory, faster matmuls
-    (measured in docs/benchmarks.md).
-    """
+
+def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None) -> Artifact:
+    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError,
+    TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime version)."""
     start = time.perf_counter()
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
     check_target(manifest.target)
+    check_prepacked(manifest.prepacked_for)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path / manifest.tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
-        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads, share_weights)
+        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads)
         for role, entry in manifest.models.items()
     }
+    _return_freed_heap()
     eos = set(manifest.models["tlm"].eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

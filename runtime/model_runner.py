@@ -1,5 +1,7 @@
 """Drives one compiled model: its sessions, a preallocated KV cache, and bound I/O buffers.
 
+Every graph's session memory-maps the model's one weights file, where the compiler stored the
+weights and their prepacked (kernel-layout) forms once: prepacked speed, one copy for all graphs.
 The cache is host-owned: slot s holds the token at position s of the committed sequence, and
 `length` says how many slots are valid. A call writes only the KV of the tokens it processed into
 their slots, so a rewind (purging rejected speculative tokens) is just a smaller `length`.
@@ -13,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from compiler.targets import PROVIDERS, session_options
+from compiler.targets import PREPACKED_TARGETS, PROVIDERS, session_options
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -42,37 +43,6 @@ def _bind(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = F
     (binding.bind_output if output else binding.bind_input)(*args)
 
 
-class SharedWeights:
-    """One memory-mapped copy of a model's weights, handed to every graph's session.
-
-    Left to itself each ONNX Runtime session reads (and prepacks) its own copy of the external
-    weights, so three graphs cost three copies of memory. Here each external initializer becomes
-    an OrtValue over a read-only memory map of weights.bin, shared by all sessions, and
-    prepacking (which would copy it again per session) is off, unless `prepack`: the fused MX
-    lowering needs it (MatMulNBits without prepacked weights is ~20x slower). MX and float16
-    weights are unpacked by each session at load, so only their packed bytes are shared.
-    See docs/benchmarks.md.
-    """
-
-    def __init__(self, weights: Path, prepack: bool = False) -> None:
-        self.map = np.memmap(weights, dtype=np.uint8, mode="r")
-        self.prepack = prepack
-        self.values: dict[tuple[int, int], ort.OrtValue] = {}  # (offset, length) -> shared value
-
-    def attach(self, graph: Path, so: ort.SessionOptions) -> None:
-        so.add_session_config_entry("session.disable_prepacking", "0" if self.prepack else "1")
-        for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
-            if t.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            info = {e.key: e.value for e in t.external_data}
-            key = (int(info["offset"]), int(info["length"]))
-            if key not in self.values:
-                dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
-                arr = np.frombuffer(self.map, dtype=dtype, count=key[1] // dtype.itemsize, offset=key[0])
-                self.values[key] = ort.OrtValue.ortvalue_from_numpy(arr.reshape(tuple(t.dims)))
-            so.add_initializer(t.name, self.values[key])
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -81,7 +51,6 @@ class ModelRunner:
         context_length: int,
         target: str = "ort-cpu",
         threads: int | None = None,
-        share_weights: bool = True,
     ) -> None:
         self.dims = entry.dims
         self.context = context_length
@@ -90,9 +59,6 @@ class ModelRunner:
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
         self.calls = 0  # graph runs, for metrics
-        weights = Path(artifact_dir) / entry.weights
-        prepack = entry.quant.get("lowering") == "fused"
-        self._shared = SharedWeights(weights, prepack=prepack) if share_weights else None
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
             for name, g in entry.graphs.items()
@@ -104,8 +70,10 @@ class ModelRunner:
         # threads spin after its call takes the cores from the next session's call: inside SpD
         # that made a TLM scoring call cost 2-3x a decode step (docs/benchmarks.md).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self._shared is not None:
-            self._shared.attach(path, so)
+        if target in PREPACKED_TARGETS:
+            # Optimised at build time; optimising again could change a weight and so miss its
+            # prepacked blob (ORT would then repack a private copy silently).
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         session = ort.InferenceSession(str(path), so, providers=PROVIDERS[target])
         d, c = self.dims, self.context
         g = _BoundGraph(

@@ -30,7 +30,7 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
     out = tmp_path / "out" / "tiny-report"
     data = json.loads((out / "report.json").read_text())
     assert list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
-    assert all(r["decode_tokens_per_s"] > 0 and r["rss_mib"] > 0 for r in data["configs"].values())
+    assert all(r["decode_tokens_per_s"] > 0 and r["pss_mib"] > 0 for r in data["configs"].values())
     assert "acceptance_rate" in data["configs"]["SpD"] and "acceptance_rate" not in data["configs"]["MXFP6"]
     assert data["greedy_spd_equals_ar"] == {"fp32": [True, True], "mxfp6": [True, True]}
     assert data["meta"]["precisions"]["MXFP6 TLM"].startswith("fp6_e2m3")

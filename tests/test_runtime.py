@@ -135,29 +135,6 @@ def test_rewind_forgets_tokens(art):
     np.testing.assert_array_equal(straight, again)
 
 
-def test_private_prepacked_weights_give_the_same_tokens(artifact_dir, art):
-    private = runtime.load_artifact(artifact_dir, share_weights=False)
-    for prompt in ([0, 40, 41], list(range(4, 30))):
-        kw = dict(max_new_tokens=20, speculative=False)
-        assert runtime.generate(private, prompt, **kw).token_ids == runtime.generate(art, prompt, **kw).token_ids
-
-
-def test_shared_weights_are_one_copy_per_model(art):
-    """Every external tensor of every graph is served from one mapping, and no bytes are mapped twice."""
-    import onnx
-
-    for role, runner in art.runners.items():
-        shared = runner._shared
-        needed = set()
-        for g in art.manifest.models[role].graphs.values():
-            for t in onnx.load(str(art.path / g.file), load_external_data=False).graph.initializer:
-                if t.data_location == onnx.TensorProto.EXTERNAL:
-                    info = {e.key: e.value for e in t.external_data}
-                    needed.add((int(info["offset"]), int(info["length"])))
-        assert needed and set(shared.values) == needed
-        assert sum(n for _, n in shared.values) <= shared.map.size
-
-
 def test_sessions_do_not_spin_between_calls(art):
     """Idle spinning pools steal the cores from the next session's call (docs/benchmarks.md)."""
     for runner in (art.tlm, art.dlm):

@@ -29,6 +29,21 @@ from dataclasses import asdict, dataclass
 MX_BLOCK = 32
 MX_BASE_OPSET_KEY = "mx.base_opset"
 
+# Graph names. A TLM has score graphs for a few draft lengths k (T = k + 1: the last committed
+# token and k drafts), so the runtime can speculate as much as pays off, round by round.
+PREFILL, DECODE, CATCHUP = "prefill", "decode", "catchup"
+
+
+def score_graph(k: int) -> str:
+    return f"score{k}"
+
+
+def draft_lengths(k_max: int) -> tuple[int, ...]:
+    """The compiled draft lengths: 1, 2, 3, 4, then powers of two, and k_max itself."""
+    ks = {k for k in (1, 2, 3, 4) if k <= k_max} | {2**i for i in range(2, 12) if 2**i <= k_max} | {k_max}
+    return tuple(sorted(ks))
+
+
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"

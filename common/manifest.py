@@ -26,6 +26,7 @@ class ArtifactError(RuntimeError):
 class GraphEntry:
     file: str
     tokens: int  # T: new tokens per call
+    cost_ms: float = 0.0  # one call, measured by the compiler on the build machine
 
 
 @dataclass(frozen=True)

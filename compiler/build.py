@@ -25,6 +25,7 @@ from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha
 from common.onnx_store import load_with_weights, merge_external, save_shared
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
+from compiler.costs import graph_costs_ms
 from compiler.mx_lowering import ACCURACY_LEVEL, MS_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 
@@ -82,7 +83,10 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
             if quant:
                 _check_lowered(onnx.load(str(optimized[name]), load_external_data=False), name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph
-        merge_external(optimized, out_dir, info["weights"])
+        paths = merge_external(optimized, out_dir, info["weights"])
+    dims = ModelDims(**info["dims"])
+    costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
+                           target)
     if quant:
         quant["lowering"] = lowering
         quant["kernel"] = (f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}"
@@ -90,8 +94,9 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     return ModelEntry(
         source=info["source"],
         model_type=info["model_type"],
-        dims=ModelDims(**info["dims"]),
-        graphs={g: GraphEntry(file=f"{out_dir.name}/{g}.onnx", tokens=t) for g, t in info["graphs"].items()},
+        dims=dims,
+        graphs={g: GraphEntry(file=f"{out_dir.name}/{g}.onnx", tokens=t, cost_ms=costs.get(g, 0.0))
+                for g, t in info["graphs"].items()},
         weights=f"{out_dir.name}/{info['weights']}",
         dtype=info.get("storage_dtype", "float32"),
         quant=quant,

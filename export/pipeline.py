@@ -9,6 +9,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel
 
+from common import graph_io
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler import compile_artifact
@@ -24,10 +25,12 @@ class VocabularyMismatchError(ValueError):
 
 
 def graph_plan(recipe: Recipe, role: str) -> dict[str, int]:
-    """Which fixed-T graphs each model needs: the TLM scores K+1 tokens; the DLM catches up on 2."""
+    """Which fixed-T graphs each model needs: the TLM scores k+1 tokens for each compiled draft
+    length k (graphs share their weights, so they cost no memory); the DLM catches up on 2."""
     if role == "tlm":
-        return {"prefill": recipe.prefill_chunk, "decode": 1, "score": recipe.k + 1}
-    return {"prefill": recipe.prefill_chunk, "decode": 1, "catchup": 2}
+        scores = {graph_io.score_graph(k): k + 1 for k in graph_io.draft_lengths(recipe.k)}
+        return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1} | scores
+    return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1, graph_io.CATCHUP: 2}
 
 
 def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dlm: PreTrainedModel) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import graph_io
 from runtime.artifact import Artifact, load_artifact
 from runtime.sampling import SamplingParams, next_token
 from runtime.speculative import speculative
@@ -54,7 +55,7 @@ def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rn
         yield token
         if tlm.length >= tlm.context:
             return
-        token = next_token(tlm.forward("decode", np.array([token]))[0], params, rng)
+        token = next_token(tlm.forward(graph_io.DECODE, np.array([token]))[0], params, rng)
 
 
 class Generation:
@@ -70,10 +71,12 @@ class Generation:
         stop: Sequence[str],
         speculative: bool,
         draft_params: SamplingParams | None,
+        draft_length: int | None = None,
     ) -> None:
         self.art, self.prompt_ids, self.max_new_tokens = art, prompt_ids, max_new_tokens
         self.params, self.stop, self.speculative = params, tuple(stop), speculative
         self.draft_params = draft_params or params
+        self.draft_length = draft_length
         self.rng = np.random.default_rng(seed)
         self.result: GenerationResult | None = None
         self.stats: dict = {}
@@ -82,7 +85,8 @@ class Generation:
         prompt = np.asarray(self.prompt_ids, dtype=np.int64)
         if not self.speculative:
             return autoregressive(self.art, prompt, self.params, self.rng)
-        return speculative(self.art, prompt, self.params, self.draft_params, self.rng, self.stats)
+        return speculative(self.art, prompt, self.params, self.draft_params, self.rng, self.stats,
+                           self.draft_length)
 
     def _hit_stop(self, ids: list[int]) -> bool:
         if not self.stop:
@@ -204,6 +208,7 @@ def start_generation(
     speculative: bool | None = None,
     draft_sampling: SamplingParams | None = None,
     chat: bool | None = None,
+    draft_length: int | None = None,
 ) -> Generation:
     """Validate everything up front (so bad input fails before any work) and set up a Generation."""
     params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -216,7 +221,12 @@ def start_generation(
     _check_optional_bool("chat", chat)
     if draft_sampling is not None and not isinstance(draft_sampling, SamplingParams):
         raise TypeError(f"draft_sampling must be a SamplingParams or None, got {type(draft_sampling).__name__}")
+    if draft_length is not None:
+        _check_int("draft_length", draft_length, 1)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    if draft_length is not None and draft_length not in graph_io.draft_lengths(art.manifest.k):
+        raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; "
+                         f"available: {list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
     if max_new_tokens is None:
         max_new_tokens = int(art.manifest.recipe.get("max_new_tokens", 128))
     if speculative is None:
@@ -224,14 +234,15 @@ def start_generation(
     if speculative:
         art.dlm  # noqa: B018 - raises a clear error when the artifact has no draft model
     ids = encode_prompt(art, prompt, chat)
-    return Generation(art, ids, max_new_tokens, params, seed, stop, speculative, draft_sampling)
+    return Generation(art, ids, max_new_tokens, params, seed, stop, speculative, draft_sampling, draft_length)
 
 
 def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
     """Generate from a compiled artifact (a path, or an Artifact from load_artifact for reuse).
 
     Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop, speculative,
-    draft_sampling, chat (see start_generation).
+    draft_sampling, chat, draft_length (see start_generation; draft_length None lets the runtime
+    choose each round's draft length from measured costs and acceptance, an int fixes it).
     """
     gen = start_generation(artifact, prompt, **kwargs)
     for _ in gen:

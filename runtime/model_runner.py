@@ -142,9 +142,9 @@ class ModelRunner:
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """Process a prompt in chunks of the prefill graph's T; return the last token's logits."""
-        chunk = self.graphs["prefill"].tokens
+        chunk = self.graphs[graph_io.PREFILL].tokens
         logits = None
         for s in range(0, len(tokens), chunk):
-            logits = self.forward("prefill", tokens[s : s + chunk])
+            logits = self.forward(graph_io.PREFILL, tokens[s : s + chunk])
         assert logits is not None, "empty prompt"
         return logits[-1]

@@ -34,7 +34,9 @@ def copy_of(artifact_dir, tmp_path):
 def test_manifest_describes_the_artifact(artifact_dir):
     m = read_manifest(artifact_dir)
     assert m.k == 3 and m.context_length == 96 and m.prefill_chunk == 8 and m.target == "ort-cpu"
-    assert {g: e.tokens for g, e in m.models["tlm"].graphs.items()} == {"prefill": 8, "decode": 1, "score": 4}
+    tlm_graphs = {g: e.tokens for g, e in m.models["tlm"].graphs.items()}
+    assert tlm_graphs == {"prefill": 8, "decode": 1, "score1": 2, "score2": 3, "score3": 4}
+    assert all(e.cost_ms > 0 for model in m.models.values() for e in model.graphs.values())
     assert {g: e.tokens for g, e in m.models["dlm"].graphs.items()} == {"prefill": 8, "decode": 1, "catchup": 2}
     assert set(m.tools) >= {"onnx", "onnxruntime", "torch", "transformers"}
     assert all(len(d) == 64 for d in m.files.values())

@@ -202,7 +202,7 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
     assert quant["lowering"] == ("fused" if kind == "fused" else "exact")
     assert quant["lowered_weights"] == quant["tensors"] == 14
     assert quant["mx_bytes"] <= 0.40 * quant["fp16_bytes"] and quant["ratio_to_fp16"] == pytest.approx(0.39, abs=0.01)
-    for graph in ("prefill", "decode", "score"):
+    for graph in ("prefill", "decode", "score3"):
         model = onnx.load(str(mx_artifacts[kind] / "tlm" / f"{graph}.onnx"), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]

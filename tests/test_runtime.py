@@ -129,7 +129,7 @@ def test_rewind_forgets_tokens(art):
     tlm.prefill(np.array([0, 70, 71, 72]))
     straight = tlm.forward("decode", np.array([80])).copy()
     tlm.rewind(4)
-    tlm.forward("score", np.array([90, 91, 92]))
+    tlm.forward("score2", np.array([90, 91, 92]))
     tlm.rewind(4)
     again = tlm.forward("decode", np.array([80]))
     np.testing.assert_array_equal(straight, again)

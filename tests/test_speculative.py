@@ -42,9 +42,9 @@ def arts(checkpoints, tmp_path_factory):
     return out
 
 
-def greedy_pair(art, prompt, n):
+def greedy_pair(art, prompt, n, draft_length=None):
     ar = runtime.generate(art, prompt, max_new_tokens=n, speculative=False)
-    sd = runtime.generate(art, prompt, max_new_tokens=n, speculative=True)
+    sd = runtime.generate(art, prompt, max_new_tokens=n, speculative=True, draft_length=draft_length)
     return ar, sd
 
 
@@ -53,7 +53,7 @@ def test_greedy_spd_equals_greedy_tlm_into_the_context_limit(arts, k):
     art = arts[k]
     for length in (1, 5, 20, 50):
         prompt = [0] + list(range(40, 40 + length - 1))
-        ar, sd = greedy_pair(art, prompt, 200)
+        ar, sd = greedy_pair(art, prompt, 200, draft_length=k)
         assert sd.token_ids == ar.token_ids
         assert sd.finish_reason == ar.finish_reason == "length"
         assert len(prompt) + len(sd.token_ids) == 65  # ran into the 64-slot context
@@ -66,9 +66,9 @@ def test_greedy_spd_equals_greedy_tlm_into_the_context_limit(arts, k):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.sampled_from([1, 3, 7]), prompt=st.lists(st.integers(4, 259), min_size=1, max_size=30),
-       n=st.integers(1, 40))
-def test_greedy_equivalence_property(arts, k, prompt, n):
-    ar, sd = greedy_pair(arts[k], prompt, n)
+       n=st.integers(1, 40), adaptive=st.booleans())
+def test_greedy_equivalence_property(arts, k, prompt, n, adaptive):
+    ar, sd = greedy_pair(arts[k], prompt, n, draft_length=None if adaptive else k)
     assert sd.token_ids == ar.token_ids and sd.finish_reason == ar.finish_reason
 
 
@@ -80,7 +80,7 @@ def test_eos_inside_an_accepted_prefix_ends_generation(arts):
     saved = art.eos_token_ids
     art.eos_token_ids = frozenset({eos})
     try:
-        ar, sd = greedy_pair(art, prompt, 40)
+        ar, sd = greedy_pair(art, prompt, 40, draft_length=7)
     finally:
         art.eos_token_ids = saved
     assert sd.token_ids == ar.token_ids == ref[: ref.index(eos) + 1]
@@ -93,7 +93,8 @@ def test_dlm_equal_to_tlm_accepts_every_draft(checkpoints, tmp_path):
                           dlm=str(checkpoints["llama-gqa"]), progress=False)
     art = runtime.load_artifact(path)
     for kw in (dict(), dict(do_sample=True, temperature=0.8, seed=3)):
-        r = runtime.generate(art, [0, 9, 8, 7], max_new_tokens=4 * (k + 1) + 1, speculative=True, **kw)
+        r = runtime.generate(art, [0, 9, 8, 7], max_new_tokens=4 * (k + 1) + 1, speculative=True, draft_length=k,
+                             **kw)
         s = r.metrics.speculative
         assert s["acceptance_rate"] == 1.0
         assert s["mean_accepted_length"] == k + 1
@@ -110,7 +111,7 @@ def test_same_seed_same_output_and_seed_matters(arts):
 def test_valid_cache_after_rejections_equals_autoregressive_cache(arts):
     art = arts[7]
     r = runtime.generate(art, [0, 11, 12, 13], max_new_tokens=30, do_sample=True, temperature=1.2, seed=9,
-                         speculative=True)
+                         speculative=True, draft_length=7)
     s = r.metrics.speculative
     assert s["accepted"] < s["drafted"]  # at least one rejection happened
     committed = np.array([0, 11, 12, 13] + r.token_ids[:-1])
@@ -173,7 +174,8 @@ def exact_marginals(tlm, prompt, params):
 def emitted_counts(art, prompt, kw, seed0=0):
     counts = np.zeros((N_POS, V))
     for s in range(SAMPLES):
-        ids = runtime.generate(art, prompt, max_new_tokens=N_POS, speculative=True, seed=seed0 + s, **kw).token_ids
+        ids = runtime.generate(art, prompt, max_new_tokens=N_POS, speculative=True, seed=seed0 + s, draft_length=2,
+                               **kw).token_ids
         counts[np.arange(N_POS), ids] += 1
     return counts
 
@@ -231,7 +233,7 @@ def test_draft_sampling_may_differ_from_target(tiny_vocab):
 
 
 def test_spd_metrics_are_consistent(arts):
-    r = runtime.generate(arts[3], [0, 1, 2, 3], max_new_tokens=20, speculative=True)
+    r = runtime.generate(arts[3], [0, 1, 2, 3], max_new_tokens=20, speculative=True, draft_length=3)
     s = r.metrics.speculative
     assert s["rounds"] * 3 >= s["drafted"] and s["accepted"] <= s["drafted"]
     assert abs(s["mean_accepted_length"] - (1 + s["accepted"] / s["rounds"])) < 1e-12

@@ -1,0 +1,84 @@
+"""How many tokens to draft this round: the one that maximises expected tokens per second.
+
+With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a round that
+drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs score(k) + k * dlm_step;
+k = 0 is a plain decode step: 1 token for decode. The policy picks the best compiled k, so when
+drafting does not pay (low acceptance, a slow DLM, a costly scoring call) it decodes plainly and
+speculation never costs more than autoregressive decoding beyond its estimation error.
+
+Costs start from the compiler's measurements (manifest). With `adapt_costs` they follow what this
+process measures (exponential average), since the machine, its load and the interplay of sessions
+differ; the runtime asks for that only when the TLM is greedy, where the output does not depend on
+k. When it samples, choices must depend on nothing but the seeded random stream (acceptances), so
+that a seed reproduces a run. The
+acceptance estimate starts at a prior worth a few drafts. After `probe_every` plain rounds in a
+row the policy drafts once with the smallest k, so a generation whose text turns predictable
+later is noticed.
+"""
+
+from __future__ import annotations
+
+
+class DraftPolicy:
+    def __init__(
+        self,
+        score_ms: dict[int, float],
+        decode_ms: float,
+        dlm_step_ms: float,
+        fixed: int | None = None,
+        adapt_costs: bool = True,
+        prior: float = 0.5,
+        prior_weight: float = 4.0,
+        smoothing: float = 0.2,
+        probe_every: int = 8,
+    ) -> None:
+        if not score_ms:
+            raise ValueError("no score graphs: speculative decoding needs at least one draft length")
+        if fixed is not None and fixed not in score_ms:
+            raise ValueError(f"draft_length {fixed} is not compiled; available: {sorted(score_ms)}")
+        # Unknown costs (0: not measured at build) start as the usual assumption: scoring k+1 tokens
+        # costs one decode step, a DLM step a tenth of it. Measurements replace them within rounds.
+        decode = decode_ms if decode_ms > 0 else 1.0
+        self.cost = {k: (v if v > 0 else decode) for k, v in score_ms.items()}
+        self.cost[0] = decode
+        self.dlm_step = dlm_step_ms if dlm_step_ms > 0 else 0.1 * decode
+        self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
+        self.smoothing, self.probe_every = smoothing, probe_every
+        self.drafted = self.accepted = 0
+        self.plain_in_a_row = 0
+
+    @property
+    def k_max(self) -> int:
+        return max(k for k in self.cost if k > 0)
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (self.drafted + self.prior_weight)
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.acceptance
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def rate(self, k: int) -> float:
+        """Expected tokens per ms of a round that drafts k tokens (k = 0: a plain decode step)."""
+        return self.expected_tokens(k) / (self.cost[k] + k * self.dlm_step)
+
+    def choose(self, limit: int) -> int:
+        """The draft length for this round; at most `limit` (the slots left for scoring)."""
+        ks = [k for k in self.cost if k <= limit]
+        if self.fixed is not None:
+            return max(k for k in ks if k <= self.fixed)
+        best = max(ks, key=self.rate)
+        if best == 0 and self.plain_in_a_row >= self.probe_every and len(ks) > 1:
+            best = min(k for k in ks if k > 0)  # probe: is drafting paying off again?
+        self.plain_in_a_row = self.plain_in_a_row + 1 if best == 0 else 0
+        return best
+
+    def observe(self, k: int, accepted: int, tlm_ms: float, dlm_ms: float) -> None:
+        """A finished round: k drafted (0: a decode step), how many were accepted, what it cost."""
+        s = self.smoothing if self.adapt_costs else 0.0
+        self.cost[k] += s * (tlm_ms - self.cost[k])
+        if k:
+            self.drafted += k
+            self.accepted += accepted
+            self.dlm_step += s * (dlm_ms / k - self.dlm_step)

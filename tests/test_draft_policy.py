@@ -1,0 +1,99 @@
+"""The per-round draft-length policy: speculate as much as pays off, and not at all when it does not."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import runtime
+from export.pipeline import build_artifact
+from runtime.draft_policy import DraftPolicy
+from tests.conftest import tiny_recipe
+
+SCORES = {1: 11.0, 2: 11.5, 3: 12.0, 4: 12.5}  # ms: scoring k+1 tokens costs about one decode step
+
+
+def policy(**kw) -> DraftPolicy:
+    args = dict(score_ms=SCORES, decode_ms=10.0, dlm_step_ms=1.0) | kw
+    return DraftPolicy(**args)
+
+
+def feed(p: DraftPolicy, accepted_fraction: float, rounds: int = 50, k: int = 4) -> None:
+    """Rounds with this acceptance, each costing what the policy already expects."""
+    for i in range(rounds):
+        n = round(accepted_fraction * k) if i % 2 else int(accepted_fraction * k)
+        p.observe(k, n, p.cost[k], p.dlm_step * k)
+
+
+def test_expected_tokens_is_the_closed_form():
+    p = policy()
+    feed(p, 0.5)
+    a = p.acceptance
+    for k in range(5):
+        assert p.expected_tokens(k) == pytest.approx(sum(a**i for i in range(k + 1)))
+
+
+def test_high_acceptance_drafts_the_most_low_acceptance_decodes_plainly():
+    good, bad = policy(), policy()
+    feed(good, 1.0)
+    feed(bad, 0.0)
+    assert good.choose(limit=100) == 4
+    assert bad.choose(limit=100) == 0
+
+
+def test_a_costly_scoring_call_or_draft_model_turns_drafting_off():
+    pricey = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES})  # scoring costs k+1 decode steps
+    feed(pricey, 0.75)
+    assert pricey.choose(100) == 0
+    slow_dlm = policy(dlm_step_ms=9.0)
+    feed(slow_dlm, 0.5)
+    assert slow_dlm.choose(100) == 0
+
+
+def test_the_choice_maximises_the_rate_and_respects_the_limit():
+    p = policy()
+    feed(p, 0.6)
+    best = p.choose(100)
+    assert p.rate(best) == max(p.rate(k) for k in (0, *SCORES))
+    assert p.choose(limit=2) <= 2 and p.choose(limit=0) == 0
+
+
+def test_plain_rounds_are_followed_by_a_probe():
+    p = policy(probe_every=3)
+    feed(p, 0.0)
+    picks = [p.choose(100) for _ in range(8)]
+    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_fixed_draft_length_and_costs_that_follow_measurements():
+    p = policy(fixed=3)
+    feed(p, 0.0)
+    assert p.choose(100) == 3 and p.choose(2) == 2
+    with pytest.raises(ValueError, match="not compiled"):
+        policy(fixed=5)
+    adapting, frozen = policy(), policy(adapt_costs=False)
+    for q in (adapting, frozen):
+        for _ in range(30):
+            q.observe(4, 4, 30.0, 20.0)
+    assert adapting.cost[4] == pytest.approx(30.0, rel=1e-2) and adapting.dlm_step == pytest.approx(5.0, rel=1e-2)
+    assert frozen.cost[4] == SCORES[4] and frozen.dlm_step == 1.0
+
+
+def test_unmeasured_costs_fall_back_to_the_usual_assumption():
+    p = DraftPolicy({1: 0.0, 3: 0.0}, decode_ms=0.0, dlm_step_ms=0.0)
+    assert p.cost == {0: 1.0, 1: 1.0, 3: 1.0} and p.dlm_step == 0.1
+
+
+def test_a_useless_draft_model_falls_back_to_plain_decoding(checkpoints, tmp_path):
+    """A draft model unrelated to the target: the policy stops drafting, output stays the TLM's."""
+    path = build_artifact(replace(tiny_recipe(k=4), speculative=True), tmp_path / "art",
+                          tlm=str(checkpoints["llama-gqa"]), dlm=str(checkpoints["qwen2"]), progress=False)
+    art = runtime.load_artifact(path)
+    prompt = [0, 21, 22, 23]
+    sd = runtime.generate(art, prompt, max_new_tokens=60)  # the recipe's default: speculative
+    ar = runtime.generate(art, prompt, max_new_tokens=60, speculative=False)
+    s = sd.metrics.speculative
+    assert sd.token_ids == ar.token_ids
+    assert s["acceptance_rate"] < 0.2
+    assert s["plain_decode_steps"] > 3 * s["rounds"], s

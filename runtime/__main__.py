@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     spd = p.add_mutually_exclusive_group()
     spd.add_argument("--speculative", dest="speculative", action="store_true", default=None)
     spd.add_argument("--no-speculative", dest="speculative", action="store_false")
+    p.add_argument("--draft-length", type=int, help="fix the speculative draft length (default: chosen per round)")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     args = p.parse_args(argv)
 
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = art.manifest.recipe.get("prompts") or ["def main():\n"]
         prompt = args.prompt if args.prompt is not None else prompts[0]
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative)
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative,
+                  draft_length=args.draft_length)
         results = []
         pieces = stream(art, prompt, on_done=results.append, **kw)  # checks every argument first
         print(prompt, end="", flush=True)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     if m.speculative:
         s = m.speculative
         print(f"speculative: acceptance {s['acceptance_rate']:.2f} | mean accepted length "
-              f"{s['mean_accepted_length']:.2f} | TLM calls {s['tlm_calls']} | DLM calls {s['dlm_calls']}")
+              f"{s['mean_accepted_length']:.2f} | TLM calls {s['tlm_calls']} | DLM calls {s['dlm_calls']} | "
+              f"draft lengths {s['draft_lengths_used']}, plain steps {s['plain_decode_steps']}")
     return 0
 
 

@@ -1,17 +1,20 @@
 """How many tokens to draft this round: the one that maximises expected tokens per second.
 
 With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a round that
-drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs score(k) + k * dlm_step;
-k = 0 is a plain decode step: 1 token for decode. The policy picks the best compiled k, so when
-drafting does not pay (low acceptance, a slow DLM, a costly scoring call) it decodes plainly and
-speculation never costs more than autoregressive decoding beyond its estimation error.
+drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs round(k): its whole wall
+time (DLM catch-up and drafting, the scoring call, host work), first estimated as
+score(k) + (k + 1) * dlm_step; k = 0 is a plain decode step: 1 token for decode. The policy picks
+the best compiled k, so when drafting does not pay (low acceptance, a slow DLM, a costly scoring
+call) it decodes plainly and speculation costs no more than autoregressive decoding beyond its
+estimation error.
 
 Costs start from the compiler's measurements (manifest). With `adapt_costs` they follow what this
-process measures (exponential average), since the machine, its load and the interplay of sessions
-differ; the runtime asks for that only when the TLM is greedy, where the output does not depend on
-k. When it samples, choices must depend on nothing but the seeded random stream (acceptances), so
-that a seed reproduces a run. The
-acceptance estimate starts at a prior worth a few drafts. After `probe_every` plain rounds in a
+process measures (the first measurement of a k replaces its estimate, later ones are averaged in),
+since the machine, its load, host work and the interplay of sessions differ; the first round is
+then a plain step, to measure what drafting must beat. The runtime adapts only when the TLM is
+greedy, where the output does not depend on k. When it samples, choices must depend on nothing
+but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
+estimate starts at a prior worth a few drafts. After `probe_every` plain rounds in a
 row the policy drafts once with the smallest k, so a generation whose text turns predictable
 later is noticed.
 """
@@ -39,9 +42,10 @@ class DraftPolicy:
         # Unknown costs (0: not measured at build) start as the usual assumption: scoring k+1 tokens
         # costs one decode step, a DLM step a tenth of it. Measurements replace them within rounds.
         decode = decode_ms if decode_ms > 0 else 1.0
-        self.cost = {k: (v if v > 0 else decode) for k, v in score_ms.items()}
+        dlm_step = dlm_step_ms if dlm_step_ms > 0 else 0.1 * decode
+        self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
         self.cost[0] = decode
-        self.dlm_step = dlm_step_ms if dlm_step_ms > 0 else 0.1 * decode
+        self.measured: set[int] = set()
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every = smoothing, probe_every
         self.drafted = self.accepted = 0
@@ -61,24 +65,26 @@ class DraftPolicy:
 
     def rate(self, k: int) -> float:
         """Expected tokens per ms of a round that drafts k tokens (k = 0: a plain decode step)."""
-        return self.expected_tokens(k) / (self.cost[k] + k * self.dlm_step)
+        return self.expected_tokens(k) / self.cost[k]
 
     def choose(self, limit: int) -> int:
         """The draft length for this round; at most `limit` (the slots left for scoring)."""
         ks = [k for k in self.cost if k <= limit]
         if self.fixed is not None:
             return max(k for k in ks if k <= self.fixed)
+        if self.adapt_costs and 0 not in self.measured:
+            return 0  # measure a plain step first: it is what drafting has to beat
         best = max(ks, key=self.rate)
         if best == 0 and self.plain_in_a_row >= self.probe_every and len(ks) > 1:
             best = min(k for k in ks if k > 0)  # probe: is drafting paying off again?
         self.plain_in_a_row = self.plain_in_a_row + 1 if best == 0 else 0
         return best
 
-    def observe(self, k: int, accepted: int, tlm_ms: float, dlm_ms: float) -> None:
-        """A finished round: k drafted (0: a decode step), how many were accepted, what it cost."""
-        s = self.smoothing if self.adapt_costs else 0.0
-        self.cost[k] += s * (tlm_ms - self.cost[k])
-        if k:
-            self.drafted += k
-            self.accepted += accepted
-            self.dlm_step += s * (dlm_ms / k - self.dlm_step)
+    def observe(self, k: int, accepted: int, round_ms: float) -> None:
+        """A finished round: k drafted (0: a decode step), how many were accepted, its wall time."""
+        if self.adapt_costs:
+            s = self.smoothing if k in self.measured else 1.0
+            self.cost[k] += s * (round_ms - self.cost[k])
+            self.measured.add(k)
+        self.drafted += k
+        self.accepted += accepted

@@ -115,7 +115,7 @@ def speculative(
             if k == 0:  # drafting does not pay now (or no room): exactly an autoregressive step
                 token = next_token(tlm.forward(graph_io.DECODE, np.array(pending[-1:]))[0], params, rng)
                 pending.append(token)
-                policy.observe(0, 0, (time.perf_counter() - t0) * 1e3, 0.0)
+                policy.observe(0, 0, (time.perf_counter() - t0) * 1e3)
                 stats.plain_steps += 1
                 yield token
                 continue
@@ -138,11 +138,12 @@ def speculative(
             tlm.rewind(start + 1 + n_acc)
             dlm.rewind(min(dlm.length, start + 1 + n_acc))
             pending = [int(drafts[k - 1]), nxt] if n_acc == k else [nxt]
-            policy.observe(k, n_acc, (t2 - t1) * 1e3, (t1 - t0) * 1e3)
+            round_s = time.perf_counter() - t0
+            policy.observe(k, n_acc, round_s * 1e3)
             stats.record(k, n_acc)
             stats.dlm_s += t1 - t0
             stats.tlm_s += t2 - t1
-            stats.round_s += time.perf_counter() - t0
+            stats.round_s += round_s
             for t in [*drafts[:n_acc].tolist(), nxt]:
                 yield int(t)
     finally:

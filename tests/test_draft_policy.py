@@ -20,10 +20,11 @@ def policy(**kw) -> DraftPolicy:
 
 
 def feed(p: DraftPolicy, accepted_fraction: float, rounds: int = 50, k: int = 4) -> None:
-    """Rounds with this acceptance, each costing what the policy already expects."""
+    """A plain step, then rounds with this acceptance, each costing what the policy expects."""
+    p.observe(0, 0, p.cost[0])
     for i in range(rounds):
         n = round(accepted_fraction * k) if i % 2 else int(accepted_fraction * k)
-        p.observe(k, n, p.cost[k], p.dlm_step * k)
+        p.observe(k, n, p.cost[k])
 
 
 def test_expected_tokens_is_the_closed_form():
@@ -40,6 +41,13 @@ def test_high_acceptance_drafts_the_most_low_acceptance_decodes_plainly():
     feed(bad, 0.0)
     assert good.choose(limit=100) == 4
     assert bad.choose(limit=100) == 0
+
+
+def test_the_first_round_measures_a_plain_step_when_costs_adapt():
+    fresh, frozen = policy(), policy(adapt_costs=False)
+    assert fresh.choose(100) == 0 and frozen.choose(100) > 0
+    fresh.observe(0, 0, 10.0)
+    assert fresh.choose(100) > 0  # prior acceptance 0.5 and cheap scoring: drafting pays
 
 
 def test_a_costly_scoring_call_or_draft_model_turns_drafting_off():
@@ -73,16 +81,30 @@ def test_fixed_draft_length_and_costs_that_follow_measurements():
     with pytest.raises(ValueError, match="not compiled"):
         policy(fixed=5)
     adapting, frozen = policy(), policy(adapt_costs=False)
+    expected = frozen.cost[4]
+    assert expected == SCORES[4] + 5 * 1.0  # scoring plus k drafting steps and a catch-up step
     for q in (adapting, frozen):
-        for _ in range(30):
-            q.observe(4, 4, 30.0, 20.0)
-    assert adapting.cost[4] == pytest.approx(30.0, rel=1e-2) and adapting.dlm_step == pytest.approx(5.0, rel=1e-2)
-    assert frozen.cost[4] == SCORES[4] and frozen.dlm_step == 1.0
+        q.observe(4, 4, 50.0)
+    assert adapting.cost[4] == 50.0 and frozen.cost[4] == expected  # a first measurement replaces the estimate
+    adapting.observe(4, 4, 40.0)
+    assert adapting.cost[4] == pytest.approx(48.0)  # later ones are averaged in (smoothing 0.2)
 
 
 def test_unmeasured_costs_fall_back_to_the_usual_assumption():
     p = DraftPolicy({1: 0.0, 3: 0.0}, decode_ms=0.0, dlm_step_ms=0.0)
-    assert p.cost == {0: 1.0, 1: 1.0, 3: 1.0} and p.dlm_step == 0.1
+    assert p.cost == pytest.approx({0: 1.0, 1: 1.2, 3: 1.4})  # score = one decode step, DLM step = 0.1
+
+
+def test_cli_fixes_the_draft_length(artifact_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "runtime", str(artifact_dir), "--prompt", "def", "--max-new-tokens",
+                           "12", "--speculative", "--draft-length", "2"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "draft lengths {2:" in proc.stdout
 
 
 def test_a_useless_draft_model_falls_back_to_plain_decoding(checkpoints, tmp_path):

@@ -354,6 +354,7 @@ PARAMS = {
     "stop": st.one_of(st.just(()), st.sampled_from(["\n", ["a", "b"]]), ANY),
     "speculative": st.one_of(st.booleans(), ANY),
     "chat": st.one_of(st.booleans(), ANY),
+    "draft_length": st.one_of(st.none(), st.integers(1, 3), ANY),
 }
 
 

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from common.manifest import ArtifactError, Manifest, read_manifest
 from compiler.targets import check_prepacked, check_target
+from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
 
 
@@ -29,6 +30,7 @@ class Artifact:
     runners: dict[str, ModelRunner]
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    draft_policy: DraftPolicy | None = field(default=None, repr=False)  # the adaptive one, once used
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)
 

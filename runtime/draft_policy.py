@@ -50,6 +50,7 @@ class DraftPolicy:
         self.smoothing, self.probe_every = smoothing, probe_every
         self.drafted = self.accepted = 0
         self.plain_in_a_row = 0
+        self.wait = probe_every
 
     @property
     def k_max(self) -> int:
@@ -75,16 +76,31 @@ class DraftPolicy:
         if self.adapt_costs and 0 not in self.measured:
             return 0  # measure a plain step first: it is what drafting has to beat
         best = max(ks, key=self.rate)
-        if best == 0 and self.plain_in_a_row >= self.probe_every and len(ks) > 1:
-            best = min(k for k in ks if k > 0)  # probe: is drafting paying off again?
+        if best > 0:
+            self.wait = self.probe_every
+        elif self.plain_in_a_row >= self.wait and len(ks) > 1:
+            self.wait *= 2  # back off: the last probe did not change the choice
+            self.plain_in_a_row = 0
+            return min(k for k in ks if k > 0)  # probe: is drafting paying off again?
         self.plain_in_a_row = self.plain_in_a_row + 1 if best == 0 else 0
         return best
+
+    def new_generation(self) -> None:
+        self.drafted, self.accepted = self.drafted // 2, self.accepted // 2
+        self.plain_in_a_row = 0
 
     def observe(self, k: int, accepted: int, round_ms: float) -> None:
         """A finished round: k drafted (0: a decode step), how many were accepted, its wall time."""
         if self.adapt_costs:
-            s = self.smoothing if k in self.measured else 1.0
-            self.cost[k] += s * (round_ms - self.cost[k])
-            self.measured.add(k)
+            if k in self.measured:
+                self.cost[k] += self.smoothing * (round_ms - self.cost[k])
+            else:  # a first measurement replaces the estimate, and rescales the unmeasured drafting ones
+                scale = round_ms / self.cost[k]
+                self.cost[k] = round_ms
+                self.measured.add(k)
+                if k:
+                    for j in self.cost:
+                        if j and j not in self.measured:
+                            self.cost[j] *= scale
         self.drafted += k
         self.accepted += accepted

@@ -73,11 +73,18 @@ class RoundStats:
 
 
 def draft_policy(art: Artifact, fixed: int | None, adapt_costs: bool) -> DraftPolicy:
-    """The round policy for this artifact, from the compiler's measured graph costs."""
+    """The round policy, from the compiler's measured graph costs. An adaptive one (greedy TLM, no
+    fixed k) is kept on the artifact, so what it measured serves the next generation too."""
+    if fixed is None and adapt_costs and art.draft_policy is not None:
+        art.draft_policy.new_generation()
+        return art.draft_policy
     tlm, dlm = art.manifest.models["tlm"].graphs, art.manifest.models["dlm"].graphs
     scores = {k: tlm[graph_io.score_graph(k)].cost_ms for k in graph_io.draft_lengths(art.manifest.k)
               if graph_io.score_graph(k) in tlm}
-    return DraftPolicy(scores, tlm[graph_io.DECODE].cost_ms, dlm[graph_io.DECODE].cost_ms, fixed, adapt_costs)
+    policy = DraftPolicy(scores, tlm[graph_io.DECODE].cost_ms, dlm[graph_io.DECODE].cost_ms, fixed, adapt_costs)
+    if fixed is None and adapt_costs:
+        art.draft_policy = policy
+    return policy
 
 
 def _catch_up(dlm, pending: list[int]) -> np.ndarray:

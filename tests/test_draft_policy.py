@@ -67,11 +67,31 @@ def test_the_choice_maximises_the_rate_and_respects_the_limit():
     assert p.choose(limit=2) <= 2 and p.choose(limit=0) == 0
 
 
-def test_plain_rounds_are_followed_by_a_probe():
+def test_plain_rounds_are_followed_by_probes_that_back_off():
     p = policy(probe_every=3)
     feed(p, 0.0)
-    picks = [p.choose(100) for _ in range(8)]
-    assert picks == [0, 0, 0, 1, 0, 0, 0, 1]
+    picks = [p.choose(100) for _ in range(11)]
+    assert picks == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1]
+
+
+def test_a_first_measurement_rescales_the_unmeasured_estimates():
+    p = policy()
+    p.observe(0, 0, 10.0)
+    before = dict(p.cost)
+    p.observe(4, 2, 3 * before[4])  # drafting costs three times what the manifest suggested
+    assert p.cost[1] == pytest.approx(3 * before[1]) and p.cost[0] == 10.0
+
+
+def test_the_adaptive_policy_is_kept_on_the_artifact(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
+    kept = art.draft_policy
+    assert kept is not None and 0 in kept.measured
+    drafted = kept.drafted
+    runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
+    assert art.draft_policy is kept and kept.drafted >= drafted // 2
+    runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True, draft_length=2, do_sample=True, seed=1)
+    assert art.draft_policy is kept  # fixed or sampled runs get their own
 
 
 def test_fixed_draft_length_and_costs_that_follow_measurements():

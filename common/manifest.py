@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from common.graph_io import ModelDims
 
-FORMAT_VERSION = 2  # 2: graphs carry ONNX Runtime's prepacked weights in the shared weights file
+FORMAT_VERSION = 3  # 2: prepacked weights in the shared weights file; 3: score{k} graphs with measured costs
 MANIFEST_NAME = "manifest.json"
 
 

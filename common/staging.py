@@ -56,7 +56,9 @@ def _is_stale(folder: Path) -> bool:
 
 
 def clean_stale(out_dir: Path) -> list[Path]:
-    """Remove staging folders for out_dir left by killed exports; returns what was removed."""
+    """Remove staging folders for out_dir left by killed exports; returns what was removed. A kill
+    between moving the old artifact aside and moving the new one in left --out missing: the old
+    artifact is put back first."""
     out_dir = Path(out_dir)
     if not out_dir.parent.is_dir():
         return []
@@ -64,6 +66,9 @@ def clean_stale(out_dir: Path) -> list[Path]:
     for kind in STAGING_KINDS:
         for folder in sorted(out_dir.parent.glob(f".{out_dir.name}.{kind}-*")):
             if folder.is_dir() and not folder.is_symlink() and _is_stale(folder):
+                previous = folder / out_dir.name
+                if kind == "old" and not out_dir.exists() and _is_artifact(previous):
+                    os.replace(previous, out_dir)  # killed mid-swap: the old artifact is the good one
                 shutil.rmtree(folder)
                 removed.append(folder)
     return removed
@@ -79,7 +84,7 @@ def _is_artifact(folder: Path) -> bool:
     if not isinstance(data.get("models"), dict) or "format_version" not in data:
         return False
     present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
-    return present - {MANIFEST_NAME} <= listed
+    return present - {MANIFEST_NAME, MARKER} <= listed
 
 
 def check_output(out_dir: Path, force: bool = False) -> None:

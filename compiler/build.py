@@ -124,8 +124,8 @@ def compile_artifact(
     if recipe.target not in PROVIDERS:
         raise ValueError(f"unknown target {recipe.target!r}; choose one of {sorted(PROVIDERS)}")
     start = time.perf_counter()
+    check_output(Path(out_dir), force)  # before resolving: a symlink at --out is refused, not followed
     out_dir = Path(out_dir).resolve()
-    check_output(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = make_staging(out_dir, "partial")
     try:
@@ -156,8 +156,8 @@ def compile_artifact(
         )
         (staging / MANIFEST_NAME).write_text(manifest.to_json())
         check_output(out_dir, force)  # again: the user may have put files there meanwhile
-        (staging / MARKER).unlink()
         _replace_dir(staging, out_dir)
+        (out_dir / MARKER).unlink()
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

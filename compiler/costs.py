@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.graph_io import ModelDims
-from compiler.targets import PROVIDERS, session_options
+from compiler.targets import PROVIDERS, compiled_session_options
 
 
 def _feeds(dims: ModelDims, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -35,8 +35,7 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
     the target's provider is not on the build machine (the runtime then measures for itself)."""
     if PROVIDERS[target][0] not in ort.get_available_providers():
         return {}
-    so = session_options()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the runtime runs them
+    so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, no spinning
     sessions = {n: (ort.InferenceSession(str(p), so, providers=PROVIDERS[target]), _feeds(dims, t, context))
                 for n, (p, t) in graphs.items()}
     times: dict[str, list[float]] = {n: [] for n in graphs}

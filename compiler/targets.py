@@ -81,3 +81,17 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
     return so
+
+
+def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
+    """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
+    so = session_options(threads)
+    # Generation alternates sessions (prefill, decode; DLM steps, TLM scoring). A pool whose
+    # threads spin after its call takes the cores from the next session's call: inside SpD
+    # that made a TLM scoring call cost 2-3x a decode step (docs/benchmarks.md).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if target in PREPACKED_TARGETS:
+        # Optimised at build time; optimising again could change a weight and so miss its
+        # prepacked blob (ORT would then repack a private copy silently).
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return so

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted: nothing was written (an existing artifact at --out is unchanged)", file=sys.stderr)
+        print("\ninterrupted: no new artifact was written (an existing one at --out is kept)", file=sys.stderr)
         return 130
     print(f"compiled artifact: {path}")
     return 0

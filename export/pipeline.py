@@ -62,8 +62,8 @@ def build_artifact(
     A `dlm` given for a recipe without a draft model becomes its draft model (float32). An existing
     out_dir is replaced only if it is empty or one of our artifacts, unless `force`.
     """
+    check_output(Path(out_dir), force)  # before resolving: a symlink at --out is refused, not followed
     out_dir = Path(out_dir).resolve()
-    check_output(out_dir, force)
     if tlm is not None:
         recipe = replace(recipe, tlm=replace(recipe.tlm, model=tlm))
     if dlm is not None:

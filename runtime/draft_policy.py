@@ -88,6 +88,7 @@ class DraftPolicy:
     def new_generation(self) -> None:
         self.drafted, self.accepted = self.drafted // 2, self.accepted // 2
         self.plain_in_a_row = 0
+        self.wait = self.probe_every
 
     def observe(self, k: int, accepted: int, round_ms: float) -> None:
         """A finished round: k drafted (0: a decode step), how many were accepted, its wall time."""

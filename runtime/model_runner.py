@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from compiler.targets import PREPACKED_TARGETS, PROVIDERS, session_options
+from compiler.targets import PROVIDERS, compiled_session_options
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -65,15 +65,7 @@ class ModelRunner:
         }
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
-        so = session_options(threads)
-        # Generation alternates sessions (prefill, decode; DLM steps, TLM scoring). A pool whose
-        # threads spin after its call takes the cores from the next session's call: inside SpD
-        # that made a TLM scoring call cost 2-3x a decode step (docs/benchmarks.md).
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if target in PREPACKED_TARGETS:
-            # Optimised at build time; optimising again could change a weight and so miss its
-            # prepacked blob (ORT would then repack a private copy silently).
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so = compiled_session_options(target, threads)
         session = ort.InferenceSession(str(path), so, providers=PROVIDERS[target])
         d, c = self.dims, self.context
         g = _BoundGraph(

@@ -72,6 +72,8 @@ def test_plain_rounds_are_followed_by_probes_that_back_off():
     feed(p, 0.0)
     picks = [p.choose(100) for _ in range(11)]
     assert picks == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1]
+    p.new_generation()
+    assert p.wait == 3  # a new text gets probed as soon as the first one was
 
 
 def test_a_first_measurement_rescales_the_unmeasured_estimates():

@@ -98,6 +98,33 @@ def test_out_replaces_an_artifact_an_empty_folder_or_anything_with_force(checkpo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "empty", "forced"]
 
 
+def test_out_refuses_a_symlink_even_with_force(checkpoints, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "mine.txt").write_text("keep")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(OutputExistsError, match="not a folder"):
+        build_artifact(TLM_ONLY, link, tlm=str(checkpoints["llama-tied"]), progress=False, force=True)
+    assert (real / "mine.txt").read_text() == "keep" and link.is_symlink()
+
+
+def test_a_kill_mid_swap_is_repaired_by_the_next_export(checkpoints, tmp_path, caplog):
+    """Killed after the old artifact moved aside and before the new one moved in: --out is missing,
+    and the next export puts the old artifact back before building (never deletes the good copy)."""
+    tlm = str(checkpoints["llama-tied"])
+    out = build_artifact(TLM_ONLY, tmp_path / "art", tlm=tlm, progress=False)
+    before = _snapshot(out)
+    holder = tmp_path / ".art.old-x1"
+    holder.mkdir()
+    (holder / MARKER).write_text(json.dumps({"pid": _dead_pid(), "host": os.uname().nodename}))
+    os.replace(out, holder / "art")
+    from common.staging import clean_stale
+
+    assert clean_stale(out) == [holder]
+    assert _snapshot(out) == before and not holder.exists()
+
+
 # 2. NaN / Inf weights are refused at export, NaN logits at run time
 
 

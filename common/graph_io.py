@@ -18,11 +18,23 @@ D = head dim, V = vocabulary size, L = layers.
 
 The host owns the cache: it decides which slot each token occupies, and the mask decides what
 each token sees, so a causal chain, a tree of candidates and a rewind (purge) are all host-side.
+
+Token trees (speculation). A call's rows are: row 0, the root (the last committed token, not yet
+in the cache); then the draft tree's nodes, each after its parent; then any auxiliary rows a
+drafter needs (lookahead's Jacobi window). Every row sees the committed cache; among the new
+rows it sees what `sees[row]` says (its ancestors and itself for a tree node). A row's position
+is the root's position plus the number of new rows it sees, minus one (its depth), so any row
+whose visible rows form a chain is exactly a chain forward of that chain. After the call the
+host commits the root and the accepted path (any subset of rows, in order) to the cache; the
+other rows' KV is dropped, so nothing uncommitted is attended to again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 # MX weights between the quant pass and the compiler: blocks of 32 along K, and the metadata key
 # recording the opset the graph had before the pass raised it for FLOAT6 DequantizeLinear.
@@ -30,8 +42,10 @@ MX_BLOCK = 32
 MX_BASE_OPSET_KEY = "mx.base_opset"
 
 # Graph names. A TLM has score graphs for a few draft lengths k (T = k + 1: the last committed
-# token and k drafts), so the runtime can speculate as much as pays off, round by round.
-PREFILL, DECODE, CATCHUP = "prefill", "decode", "catchup"
+# token and k drafts), so the runtime can speculate as much as pays off, round by round, and a
+# lookahead graph sized for the recipe's lookahead settings. A call of n rows runs on the
+# smallest graph with T >= n (`fitting_graph`), so any tree that fits some graph can be scored.
+PREFILL, DECODE, CATCHUP, LOOKAHEAD = "prefill", "decode", "catchup", "lookahead"
 
 
 def score_graph(k: int) -> str:
@@ -42,6 +56,35 @@ def draft_lengths(k_max: int) -> tuple[int, ...]:
     """The compiled draft lengths: 1, 2, 3, 4, then powers of two, and k_max itself."""
     ks = {k for k in (1, 2, 3, 4) if k <= k_max} | {2**i for i in range(2, 12) if 2**i <= k_max} | {k_max}
     return tuple(sorted(ks))
+
+
+def lookahead_tokens(ngram: int, window: int, guesses: int) -> int:
+    """Rows of a full lookahead step: the root, N-1 window levels of W tokens, G candidate (N-1)-grams."""
+    return 1 + (ngram - 1) * (window + guesses)
+
+
+def fitting_graph(graph_tokens: dict[str, int], rows: int) -> str:
+    """The graph (name -> T) with the fewest tokens that holds `rows` new rows."""
+    fits = [(t, name) for name, t in graph_tokens.items() if t >= rows]
+    if not fits:
+        raise ValueError(f"{rows} rows fit no compiled graph (largest T = {max(graph_tokens.values())})")
+    return min(fits)[1]
+
+
+def tree_sees(parents: Sequence[int]) -> np.ndarray:
+    """bool [n, n]: row i sees its ancestors and itself; parents[0] = -1 (the root), parents[i] < i."""
+    n = len(parents)
+    sees = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        if not 0 <= parents[i] < i:
+            raise ValueError(f"node {i}: parent {parents[i]} must come before it")
+        sees[i] |= sees[parents[i]]
+    return sees
+
+
+def row_positions(start: int, sees: np.ndarray) -> np.ndarray:
+    """Position ids of a call's rows: the root is at `start`; a row is one past the deepest row it sees."""
+    return start + sees.sum(axis=1) - 1
 
 
 INPUT_IDS = "input_ids"

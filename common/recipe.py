@@ -15,6 +15,9 @@ DTYPES = ("float32", "float16")
 MX_FORMATS = ("fp6_e2m3", "fp6_e3m2")
 MX_LOWERINGS = ("fused", "exact")
 TARGETS = ("ort-cpu", "ort-cuda")
+# What drafts the tokens the TLM verifies: the draft model, n-grams of the text so far, or
+# lookahead decoding's Jacobi n-gram pool (the last two need no draft model).
+SPECULATION_METHODS = ("draft", "prompt_lookup", "lookahead")
 
 
 class RecipeError(ValueError):
@@ -39,6 +42,60 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True)
+class LookaheadSettings:
+    """Lookahead decoding: N-gram size, Jacobi window width W, n-gram candidates verified per step G.
+
+    Defaults measured on this project's 2-core CPU (docs/benchmarks.md), where a wide step is not
+    free: T = 1 + (N-1)(W+G) rows per call.
+    """
+
+    ngram: int = 3
+    window: int = 3
+    guesses: int = 3
+    adaptive: bool = True  # False: a lookahead step every round, even when plain decoding is faster
+
+    def check(self, where: str = "lookahead") -> LookaheadSettings:
+        _check_ints(self, where, {"ngram": 2, "window": 1, "guesses": 1})
+        return self
+
+
+@dataclass(frozen=True)
+class PromptLookupSettings:
+    """Prompt lookup: match the last `ngram` tokens (falling back to shorter) in the text so far and
+    propose up to `max_draft` tokens that followed the latest match."""
+
+    ngram: int = 3
+    max_draft: int = 8
+    adaptive: bool = True  # False: always score the whole match, even when it does not pay
+
+    def check(self, where: str = "prompt_lookup") -> PromptLookupSettings:
+        _check_ints(self, where, {"ngram": 1, "max_draft": 1})
+        return self
+
+
+def _check_ints(settings: object, where: str, minimum: dict[str, int]) -> None:
+    if not isinstance(settings.adaptive, bool):
+        raise TypeError(f"{where}.adaptive must be true or false, got {settings.adaptive!r}")
+    for key, low in minimum.items():
+        value = getattr(settings, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where}.{key} must be an integer, got {value!r}")
+        if value < low:
+            raise ValueError(f"{where}.{key} must be >= {low}, got {value}")
+
+
+def settings_from(cls: type, values: object, where: str):
+    """Method settings from a dict (recipe table or runtime keyword), every key checked by name."""
+    if not isinstance(values, dict):
+        raise TypeError(f"{where} must be a dict of settings, got {type(values).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {unknown}; allowed: {sorted(known)}")
+    return cls(**values).check(where)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     tlm: ModelSpec
@@ -52,6 +109,9 @@ class Recipe:
     batch_size: int = 1
     target: str = "ort-cpu"
     speculative: bool = True
+    speculation: str = "draft"  # one of SPECULATION_METHODS, used when speculative is on
+    lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)
+    prompt_lookup: PromptLookupSettings = field(default_factory=PromptLookupSettings)
     chat_template: bool = False
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     prompts: tuple[str, ...] = ()
@@ -71,10 +131,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         kind = known[key].type
         path = f"{where}.{key}"
-        if kind in ("ModelSpec", "ModelSpec | None"):
-            value = _build(ModelSpec, value, path)
-        elif kind == "SamplingDefaults":
-            value = _build(SamplingDefaults, value, path)
+        if kind.removesuffix(" | None") in _TABLES:
+            value = _build(_TABLES[kind.removesuffix(" | None")], value, path)
         elif kind == "tuple[str, ...]":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise RecipeError(f"{path}: expected a list of strings")
@@ -86,6 +144,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
         return cls(**kwargs)
     except TypeError as exc:  # a required key is missing
         raise RecipeError(f"{where}: {exc}") from None
+
+
+_TABLES = {cls.__name__: cls for cls in (ModelSpec, SamplingDefaults, LookaheadSettings, PromptLookupSettings)}
 
 
 def _check_scalar(kind: str, value: Any, path: str) -> None:
@@ -128,8 +189,16 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("max_prompt_length must be smaller than context_length")
     if recipe.prefill_chunk > recipe.context_length:
         raise RecipeError("prefill_chunk must not exceed context_length")
-    if recipe.speculative and recipe.dlm is None:
-        raise RecipeError("speculative = true needs a [dlm] table")
+    if recipe.speculation not in SPECULATION_METHODS:
+        raise RecipeError(f"speculation: {recipe.speculation!r} is not one of {SPECULATION_METHODS}")
+    if recipe.speculative and recipe.speculation == "draft" and recipe.dlm is None:
+        raise RecipeError('speculative = true with speculation = "draft" needs a [dlm] table '
+                          '(or choose speculation = "lookahead" or "prompt_lookup", which need none)')
+    try:
+        recipe.lookahead.check()
+        recipe.prompt_lookup.check()
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(str(exc)) from None
     s = recipe.sampling
     if not (s.temperature > 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
         raise RecipeError("sampling: need temperature > 0, top_k >= 0 and 0 < top_p <= 1")

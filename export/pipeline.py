@@ -25,11 +25,19 @@ class VocabularyMismatchError(ValueError):
 
 
 def graph_plan(recipe: Recipe, role: str) -> dict[str, int]:
-    """Which fixed-T graphs each model needs: the TLM scores k+1 tokens for each compiled draft
-    length k (graphs share their weights, so they cost no memory); the DLM catches up on 2."""
+    """Which fixed-T graphs each model needs (graphs share their weights, so they cost no memory).
+
+    The TLM scores k+1 tokens for each compiled draft length k, up to the larger of the draft
+    model's k and prompt lookup's max_draft, and has a lookahead graph for the recipe's lookahead
+    settings (unless a graph of that T exists already); the DLM catches up on 2.
+    """
     if role == "tlm":
-        scores = {graph_io.score_graph(k): k + 1 for k in graph_io.draft_lengths(recipe.k)}
-        return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1} | scores
+        k_max = max(recipe.k, recipe.prompt_lookup.max_draft)
+        plan = {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1}
+        plan |= {graph_io.score_graph(k): k + 1 for k in graph_io.draft_lengths(k_max)}
+        la = recipe.lookahead
+        t = graph_io.lookahead_tokens(la.ngram, la.window, la.guesses)
+        return plan if t in plan.values() else plan | {graph_io.LOOKAHEAD: t}
     return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1, graph_io.CATCHUP: 2}
 
 

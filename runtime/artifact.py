@@ -30,7 +30,7 @@ class Artifact:
     runners: dict[str, ModelRunner]
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    draft_policy: DraftPolicy | None = field(default=None, repr=False)  # the adaptive one, once used
+    policies: dict[tuple, DraftPolicy] = field(default_factory=dict, repr=False)  # adaptive, per method
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)
 

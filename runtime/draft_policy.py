@@ -27,7 +27,7 @@ class DraftPolicy:
         self,
         score_ms: dict[int, float],
         decode_ms: float,
-        dlm_step_ms: float,
+        dlm_step_ms: float | None,
         fixed: int | None = None,
         adapt_costs: bool = True,
         prior: float = 0.5,
@@ -39,10 +39,11 @@ class DraftPolicy:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
         if fixed is not None and fixed not in score_ms:
             raise ValueError(f"draft_length {fixed} is not compiled; available: {sorted(score_ms)}")
-        # Unknown costs (0: not measured at build) start as the usual assumption: scoring k+1 tokens
-        # costs one decode step, a DLM step a tenth of it. Measurements replace them within rounds.
+        # Unknown costs (0 or None: not measured at build) start as the usual assumption: scoring
+        # k+1 tokens costs one decode step, a DLM step a tenth of it (drafts that cost nothing, such
+        # as prompt lookup's, pass 0.0). Measurements replace them within rounds.
         decode = decode_ms if decode_ms > 0 else 1.0
-        dlm_step = dlm_step_ms if dlm_step_ms > 0 else 0.1 * decode
+        dlm_step = 0.1 * decode if dlm_step_ms is None else dlm_step_ms
         self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
         self.cost[0] = decode
         self.measured: set[int] = set()

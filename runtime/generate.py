@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from common import graph_io
+from common.recipe import SPECULATION_METHODS, LookaheadSettings, PromptLookupSettings, settings_from
 from runtime.artifact import Artifact, load_artifact
 from runtime.sampling import SamplingParams, next_token
-from runtime.speculative import speculative
+from runtime.speculative import make_drafter, speculative
 
 
 class PromptTooLongError(ValueError):
@@ -69,12 +70,13 @@ class Generation:
         params: SamplingParams,
         seed: int | None,
         stop: Sequence[str],
-        speculative: bool,
-        draft_params: SamplingParams | None,
+        method: str | None,
+        settings: object = None,
+        draft_params: SamplingParams | None = None,
         draft_length: int | None = None,
     ) -> None:
         self.art, self.prompt_ids, self.max_new_tokens = art, prompt_ids, max_new_tokens
-        self.params, self.stop, self.speculative = params, tuple(stop), speculative
+        self.params, self.stop, self.method, self.settings = params, tuple(stop), method, settings
         self.draft_params = draft_params or params
         self.draft_length = draft_length
         self.rng = np.random.default_rng(seed)
@@ -83,10 +85,11 @@ class Generation:
 
     def _tokens(self) -> Iterator[int]:
         prompt = np.asarray(self.prompt_ids, dtype=np.int64)
-        if not self.speculative:
+        if self.method is None:
             return autoregressive(self.art, prompt, self.params, self.rng)
-        return speculative(self.art, prompt, self.params, self.draft_params, self.rng, self.stats,
-                           self.draft_length)
+        drafter = make_drafter(self.art, self.method, self.settings, self.params, self.draft_params, self.rng,
+                               self.draft_length)
+        return speculative(self.art, prompt, self.params, drafter, self.rng, self.stats)
 
     def _hit_stop(self, ids: list[int]) -> bool:
         if not self.stop:
@@ -160,6 +163,43 @@ def _check_optional_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
 
 
+def speculation_method(art: Artifact, speculative: object) -> str | None:
+    """The speculation method a generation uses (None: autoregressive).
+
+    None follows the recipe (its method, if speculative; "draft" without a draft model is off);
+    True is the recipe's method; False is off; a string names a method.
+    """
+    recipe = art.manifest.recipe
+    default = recipe.get("speculation", "draft")
+    if speculative is None:
+        on = recipe.get("speculative", False) and (default != "draft" or "dlm" in art.runners)
+        return default if on else None
+    if isinstance(speculative, str):
+        if speculative not in SPECULATION_METHODS:
+            raise ValueError(f"speculative: {speculative!r} is not one of {SPECULATION_METHODS} (or True/False)")
+        method = speculative
+    else:
+        _check_optional_bool("speculative", speculative)
+        method = default if speculative else None
+    if method == "draft":
+        art.dlm  # noqa: B018 - raises a clear error when the artifact has no draft model
+    return method
+
+
+def method_settings(art: Artifact, method: str | None, lookahead: object, prompt_lookup: object) -> object:
+    """The method's settings: the recipe's, updated by the caller's dict (every key checked)."""
+    recipe = art.manifest.recipe
+    for name, given in (("lookahead", lookahead), ("prompt_lookup", prompt_lookup)):
+        if given is not None and not isinstance(given, dict):
+            raise TypeError(f"{name} must be a dict of settings, got {type(given).__name__}")
+    if method == "lookahead":
+        return settings_from(LookaheadSettings, recipe.get("lookahead", {}) | (lookahead or {}), "lookahead")
+    if method == "prompt_lookup":
+        return settings_from(PromptLookupSettings, recipe.get("prompt_lookup", {}) | (prompt_lookup or {}),
+                             "prompt_lookup")
+    return None
+
+
 def _stop_strings(stop: object) -> tuple[str, ...]:
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
@@ -205,10 +245,12 @@ def start_generation(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: Sequence[str] = (),
-    speculative: bool | None = None,
+    speculative: bool | str | None = None,
     draft_sampling: SamplingParams | None = None,
     chat: bool | None = None,
     draft_length: int | None = None,
+    lookahead: dict | None = None,
+    prompt_lookup: dict | None = None,
 ) -> Generation:
     """Validate everything up front (so bad input fails before any work) and set up a Generation."""
     params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -217,32 +259,39 @@ def start_generation(
     if seed is not None:
         _check_int("seed", seed, 0)
     stop = _stop_strings(stop)
-    _check_optional_bool("speculative", speculative)
+    if not isinstance(speculative, str):
+        _check_optional_bool("speculative", speculative)
     _check_optional_bool("chat", chat)
     if draft_sampling is not None and not isinstance(draft_sampling, SamplingParams):
         raise TypeError(f"draft_sampling must be a SamplingParams or None, got {type(draft_sampling).__name__}")
     if draft_length is not None:
         _check_int("draft_length", draft_length, 1)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-    if draft_length is not None and draft_length not in graph_io.draft_lengths(art.manifest.k):
-        raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; "
-                         f"available: {list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
+    method = speculation_method(art, speculative)
+    settings = method_settings(art, method, lookahead, prompt_lookup)
+    if draft_length is not None:
+        if method == "lookahead":
+            raise ValueError("draft_length applies to speculative='draft' and 'prompt_lookup', not lookahead")
+        if method == "draft" and draft_length not in graph_io.draft_lengths(art.manifest.k):
+            raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; available: "
+                             f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
+        if method == "prompt_lookup" and draft_length > settings.max_draft:
+            raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
     if max_new_tokens is None:
         max_new_tokens = int(art.manifest.recipe.get("max_new_tokens", 128))
-    if speculative is None:
-        speculative = bool(art.manifest.recipe.get("speculative", False)) and "dlm" in art.runners
-    if speculative:
-        art.dlm  # noqa: B018 - raises a clear error when the artifact has no draft model
     ids = encode_prompt(art, prompt, chat)
-    return Generation(art, ids, max_new_tokens, params, seed, stop, speculative, draft_sampling, draft_length)
+    return Generation(art, ids, max_new_tokens, params, seed, stop, method, settings, draft_sampling,
+                      draft_length)
 
 
 def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
     """Generate from a compiled artifact (a path, or an Artifact from load_artifact for reuse).
 
-    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop, speculative,
-    draft_sampling, chat, draft_length (see start_generation; draft_length None lets the runtime
-    choose each round's draft length from measured costs and acceptance, an int fixes it).
+    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop, chat, and for
+    speculation: speculative (None: the recipe's choice; True: the recipe's method; False: off;
+    or "draft", "prompt_lookup", "lookahead"), lookahead=dict(ngram, window, guesses, adaptive),
+    prompt_lookup=dict(ngram, max_draft, adaptive), draft_sampling, draft_length (None lets the
+    runtime choose each round's draft length from measured costs and acceptance, an int fixes it).
     """
     gen = start_generation(artifact, prompt, **kwargs)
     for _ in gen:

@@ -3,8 +3,10 @@
 Every graph's session memory-maps the model's one weights file, where the compiler stored the
 weights and their prepacked (kernel-layout) forms once: prepacked speed, one copy for all graphs.
 The cache is host-owned: slot s holds the token at position s of the committed sequence, and
-`length` says how many slots are valid. A call writes only the KV of the tokens it processed into
-their slots, so a rewind (purging rejected speculative tokens) is just a smaller `length`.
+`length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
+as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
+token tree), so rows left out are never attended to again, and a rewind (purging committed
+speculative tokens) is just a smaller `length`.
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs.
 """
@@ -59,6 +61,7 @@ class ModelRunner:
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
         self.calls = 0  # graph runs, for metrics
+        self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
             for name, g in entry.graphs.items()
@@ -89,42 +92,64 @@ class ModelRunner:
             _bind(g.binding, graph_io.new_value(i), g.new_kv[2 * i + 1], output=True)
         return g
 
-    def forward(self, graph: str, tokens: np.ndarray, tree: np.ndarray | None = None) -> np.ndarray:
-        """Process `tokens` after the `length` valid slots; return their logits [n, V].
+    def graph_for(self, rows: int) -> str:
+        """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
+        return graph_io.fitting_graph({name: g.tokens for name, g in self.graphs.items()}, rows)
 
-        The new tokens go into slots length..length+n-1 and `length` advances by n. `tree`
-        (bool [n, n]) says which of the new tokens each may see (default: causal); positions are
-        length + depth in the tree. Unused rows of a fixed-shape graph are padding that only
-        attends to itself and whose KV is discarded.
+    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None) -> np.ndarray:
+        """Process `tokens` as new rows after the `length` committed slots; return their logits [n, V].
+
+        `sees` (bool [n, n]) says which new rows each row sees (default: causal); positions follow
+        from it (graph_io.row_positions). Nothing is committed: `commit` chooses which rows' KV
+        enter the cache. Unused rows of a fixed-shape graph are padding that only sees itself.
         """
         g = self.graphs[graph]
         n, start = len(tokens), self.length
         if n > g.tokens:
             raise ValueError(f"{n} tokens do not fit graph {graph!r} (T = {g.tokens})")
-        if start + n > self.context:
-            raise ValueError(f"{start + n} tokens exceed the context length {self.context}")
-        tree = np.tri(n, dtype=bool) if tree is None else tree
+        sees = np.tri(n, dtype=bool) if sees is None else sees
+        positions = graph_io.row_positions(start, sees)
+        if positions.max() >= self.context:
+            raise ValueError(f"position {positions.max()} is past the context length {self.context}")
         c = self.context
         g.input_ids[0, :n] = tokens
         g.input_ids[0, n:] = 0
-        g.position_ids[0, :n] = start + tree.sum(axis=1) - 1
+        g.position_ids[0, :n] = positions
         g.position_ids[0, n:] = start
         g.mask[...] = False
         g.mask[0, :n, :start] = True
-        g.mask[0, :n, c : c + n] = tree
+        g.mask[0, :n, c : c + n] = sees
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
         g.session.run_with_iobinding(g.binding)
         self.calls += 1
+        self._last = g
         if not np.isfinite(g.logits[0, :n]).all():
             raise NonFiniteLogitsError(
-                f"graph {graph!r} produced NaN/Inf logits at position {start}..{start + n - 1}: no token "
+                f"graph {graph!r} produced NaN/Inf logits at position {start}..{positions.max()}: no token "
                 "can be chosen from them (damaged weights, or values overflowing the weight format)"
             )
-        for cache, new in zip(self.cache, g.new_kv, strict=True):
-            cache[:, :, start : start + n] = new[:, :, :n]
-        self.length = start + n
         return g.logits[0, :n]
+
+    def commit(self, rows: list[int] | np.ndarray) -> None:
+        """Append the KV of these rows of the last `run` (in order: the root and an accepted path,
+        say) to the cache; the rows left out are never attended to again."""
+        rows = np.asarray(rows, dtype=np.int64)
+        start, m = self.length, len(rows)
+        if start + m > self.context:
+            raise ValueError(f"{start + m} tokens exceed the context length {self.context}")
+        chain = m == 0 or (rows[0] == 0 and (np.diff(rows) == 1).all())
+        for cache, new in zip(self.cache, self._last.new_kv, strict=True):
+            cache[:, :, start : start + m] = new[:, :, :m] if chain else new[:, :, rows]
+        self.length = start + m
+
+    def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
+        """Process a chain of tokens and commit all of them; return their logits [n, V]."""
+        if self.length + len(tokens) > self.context:
+            raise ValueError(f"{self.length + len(tokens)} tokens exceed the context length {self.context}")
+        logits = self.run(graph, tokens)
+        self.commit(np.arange(len(tokens)))
+        return logits
 
     def rewind(self, length: int) -> None:
         """Forget every slot from `length` on (rejected speculative tokens are never seen again)."""

@@ -1,17 +1,23 @@
-"""Modified rejection sampling (MRS) for speculative decoding, batched over rounds.
+"""Exact verification of drafted tokens: every accept/reject decision of every drafter.
 
-The whole exactness argument of speculative decoding lives in these few lines, so they are kept
-in one small, heavily tested place (as vLLM does) and the decode loop only calls them. See
-shared/notes/spd-math.md and Leviathan et al. 2023 (arXiv 2211.17192).
+- A chain sampled from a draft model (proposal distributions q): modified rejection sampling
+  (MRS), batched over rounds (`rejection_sample`; Leviathan et al. 2023, shared/notes/spd-math.md).
+- A tree of deterministic candidates (prompt lookup, lookahead n-grams; one-hot q): multi-candidate
+  rejection sampling (`verify_candidates`; shared/notes/tree-decoding.md).
+`verify_tree` picks the rule for a proposal. Greedy decoding is the one-hot special case of both
+(accept the child equal to the TLM's argmax), not a separate path. The whole exactness argument
+lives in this one small, heavily tested file (as vLLM does); the decode loop only calls it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
 from runtime.sampling import sample
 
-__all__ = ["rejection_sample"]
+__all__ = ["rejection_sample", "verify_candidates", "verify_tree"]
 
 
 def rejection_sample(
@@ -64,3 +70,53 @@ def rejection_sample(
     empty = ~(residual.sum(axis=1) > 0)
     residual[empty] = p_sel[empty]
     return n_acc, sample(residual, rng)
+
+
+def verify_candidates(
+    tokens: np.ndarray, parents: np.ndarray, target: Callable[[int], np.ndarray], rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """Walk a tree of deterministic candidates; returns (accepted rows, root excluded; next token).
+
+    tokens/parents [n]: row 0 is the root (parents[0] = -1), rows 1.. the candidates, each after
+    its parent, siblings distinct (a trie). target(i): the warped TLM distribution after row i.
+    At a node with distribution p and children c_1..c_m (in row order): r = p; for each c_j draw
+    u ~ U[0, 1) and accept c_j iff u * sum(r) < r(c_j) (then continue from it), else r(c_j) = 0;
+    when none is accepted the next token is drawn from r / sum(r). Each token x then comes out with
+    probability p(x) exactly (by induction over j), so the output is the TLM's own distribution.
+    Consumes one uniform per child tried and one for the next token.
+    """
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(tokens)):
+        children.setdefault(int(parents[i]), []).append(i)
+    node, path = 0, []
+    while True:
+        r = np.array(target(node), dtype=np.float64)
+        for child in children.get(node, ()):
+            t = int(tokens[child])
+            if rng.random() * r.sum() < r[t]:
+                path.append(child)
+                node = child
+                break
+            r[t] = 0.0
+        else:
+            return path, int(sample(r, rng))
+
+
+def verify_tree(
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    q: np.ndarray | None,
+    target: Callable[[int], np.ndarray],
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """Verify one proposal: a draft model's chain (q [n-1, V]: the distribution rows 1.. were
+    sampled from) by MRS, or deterministic candidates (q None) by `verify_candidates`.
+    Returns the accepted rows (root excluded) and the next token (correction or bonus)."""
+    if q is None:
+        return verify_candidates(tokens, parents, target, rng)
+    k = len(tokens) - 1
+    if not np.array_equal(parents, np.arange(-1, k)):
+        raise ValueError("sampled drafts (with q) must form a chain; exact multi-draft trees are not supported")
+    p = np.stack([target(i) for i in range(k + 1)])
+    n_acc, nxt = rejection_sample(np.asarray(tokens[1:])[None], q[None], p[None], rng)
+    return list(range(1, int(n_acc[0]) + 1)), int(nxt[0])

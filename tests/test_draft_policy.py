@@ -87,13 +87,13 @@ def test_a_first_measurement_rescales_the_unmeasured_estimates():
 def test_the_adaptive_policy_is_kept_on_the_artifact(artifact_dir):
     art = runtime.load_artifact(artifact_dir)
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
-    kept = art.draft_policy
-    assert kept is not None and 0 in kept.measured
+    kept = art.policies[("draft",)]
+    assert 0 in kept.measured
     drafted = kept.drafted
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
-    assert art.draft_policy is kept and kept.drafted >= drafted // 2
+    assert art.policies[("draft",)] is kept and kept.drafted >= drafted // 2
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True, draft_length=2, do_sample=True, seed=1)
-    assert art.draft_policy is kept  # fixed or sampled runs get their own
+    assert art.policies == {("draft",): kept}  # fixed or sampled runs get their own
 
 
 def test_fixed_draft_length_and_costs_that_follow_measurements():
@@ -113,7 +113,7 @@ def test_fixed_draft_length_and_costs_that_follow_measurements():
 
 
 def test_unmeasured_costs_fall_back_to_the_usual_assumption():
-    p = DraftPolicy({1: 0.0, 3: 0.0}, decode_ms=0.0, dlm_step_ms=0.0)
+    p = DraftPolicy({1: 0.0, 3: 0.0}, decode_ms=0.0, dlm_step_ms=None)
     assert p.cost == pytest.approx({0: 1.0, 1: 1.2, 3: 1.4})  # score = one decode step, DLM step = 0.1
 
 

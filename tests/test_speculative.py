@@ -11,7 +11,7 @@ from scipy import stats as sps
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import runtime
-import runtime.speculative as spd_module
+import runtime.rejection as rejection_module
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from runtime.model_runner import ModelRunner
@@ -217,7 +217,7 @@ def test_negative_control_always_accept_fails(tiny_vocab, monkeypatch):
         n = np.full(draft.shape[0], draft.shape[1])
         return n, runtime.sampling.sample(p[:, -1], rng)
 
-    monkeypatch.setattr(spd_module, "rejection_sample", always_accept)
+    monkeypatch.setattr(rejection_module, "rejection_sample", always_accept)
     counts = emitted_counts(art, [0, 3], kw)
     assert min_p_value(counts, exact) < 1e-6
 

@@ -1,0 +1,78 @@
+"""Drafting with a draft model (DLM): catch up on committed tokens, then sample a chain of k.
+
+Invariant between rounds: the DLM has processed the committed tokens except `pending` (1 token,
+2 after a full accept (the last draft and the bonus token), more after plain decode steps), which
+it catches up on before drafting. Rejected drafts are purged by rewinding its cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common import graph_io
+from runtime.draft_policy import DraftPolicy
+from runtime.model_runner import ModelRunner
+from runtime.proposal import Proposal
+from runtime.sampling import SamplingParams, sample, warp
+
+
+class DraftModelDrafter:
+    name = "draft"
+
+    def __init__(self, dlm: ModelRunner, params: SamplingParams, policy: DraftPolicy,
+                 rng: np.random.Generator) -> None:
+        self.dlm, self.params, self.policy, self.rng = dlm, params, policy, rng
+        self.pending: list[int] = []
+        self.kept = 0  # DLM cache length after catching up: the root's slot + 1
+        self.behind_s = 0.0
+        self.k_used: dict[int, int] = {}
+        self.calls0 = dlm.calls
+
+    def start(self, committed: list[int]) -> None:
+        self.dlm.rewind(0)
+        self.dlm.prefill(np.array(committed[:-1]))
+        self.pending = committed[-1:]
+
+    def _catch_up(self) -> np.ndarray:
+        """Feed the DLM the committed tokens it has not seen; returns the last one's logits."""
+        pending = np.array(self.pending)
+        if len(pending) == 1:
+            return self.dlm.forward(graph_io.DECODE, pending)[0]
+        if len(pending) == 2:
+            return self.dlm.forward(graph_io.CATCHUP, pending)[-1]
+        return self.dlm.prefill(pending)  # after plain decode rounds
+
+    def propose(self, committed: list[int], room: int) -> Proposal:
+        k = self.policy.choose(room)
+        if k == 0:  # drafting does not pay now (or no room): a plain decode step
+            return Proposal()
+        self.k_used[k] = self.k_used.get(k, 0) + 1
+        t0 = time.perf_counter()
+        logits = self._catch_up()
+        # A catch-up on more than a round's 1-2 tokens pays for earlier plain steps: not this k's cost.
+        self.behind_s = time.perf_counter() - t0 if len(self.pending) > 2 else 0.0
+        self.kept, self.pending = self.dlm.length, []
+        drafts, q = np.zeros(k, np.int64), np.zeros((k, logits.shape[-1]))
+        for i in range(k):
+            q[i] = warp(logits, self.params)
+            drafts[i] = sample(q[i], self.rng)
+            if i < k - 1:
+                logits = self.dlm.forward(graph_io.DECODE, drafts[i : i + 1])[0]
+        return Proposal.chain(drafts, q)
+
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+                round_ms: float) -> None:
+        k = len(proposal.tokens)
+        if k:  # keep what the DLM processed of the root and the accepted drafts
+            self.dlm.rewind(min(self.dlm.length, self.kept + accepted))
+            self.pending = [int(proposal.tokens[-1]), emitted[-1]] if accepted == k else emitted[-1:]
+        else:
+            self.pending.append(emitted[-1])
+        self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3)
+        self.behind_s = 0.0
+
+    def summary(self) -> dict:
+        return {"k": self.policy.k_max, "draft_lengths_used": dict(sorted(self.k_used.items())),
+                "dlm_calls": self.dlm.calls - self.calls0}

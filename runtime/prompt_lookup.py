@@ -1,0 +1,53 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the text's tail.
+
+Input-grounded generation (editing code, summarising, answering from a document) repeats spans
+of its input; matching the last n tokens (n = ngram, falling back to shorter) against the prompt
+and what was generated proposes those spans for free. The draft is a deterministic chain, verified
+exactly (runtime/rejection.py). How much of it to score is the draft policy's choice (its cost
+model with free drafts), and no match means a plain decode step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.recipe import PromptLookupSettings
+from runtime.draft_policy import DraftPolicy
+from runtime.proposal import Proposal
+
+
+def lookup(text: np.ndarray, ngram: int, max_draft: int) -> np.ndarray:
+    """Up to max_draft tokens that followed the latest earlier match of text's last n tokens,
+    for the longest n <= ngram that matches (empty when none does)."""
+    for n in range(min(ngram, len(text) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # starts 0..len-1-n
+        hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
+        if len(hits):
+            start = hits[-1] + n
+            return text[start : start + max_draft]
+    return text[:0]
+
+
+class PromptLookup:
+    name = "prompt_lookup"
+
+    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy) -> None:
+        self.settings, self.policy = settings, policy
+        self.matched_rounds = 0
+
+    def start(self, committed: list[int]) -> None:
+        self.policy.new_generation()
+
+    def propose(self, committed: list[int], room: int) -> Proposal:
+        s = self.settings
+        found = lookup(np.asarray(committed, np.int64), s.ngram, s.max_draft)
+        k = self.policy.choose(min(room, len(found))) if len(found) else 0
+        self.matched_rounds += bool(len(found))
+        return Proposal.chain(found[:k])
+
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+                round_ms: float) -> None:
+        self.policy.observe(len(proposal.tokens), accepted, round_ms)
+
+    def summary(self) -> dict:
+        return {"rounds_with_a_match": self.matched_rounds}

@@ -1,0 +1,77 @@
+"""What a drafter hands the round loop: a token tree to verify, plus any auxiliary rows it needs.
+
+A drafter is a small object with a narrow interface (`Drafter`): `start` once per generation,
+`propose` a tree each round, `observe` what the TLM accepted. The round loop
+(runtime/speculative.py) scores every proposal the same way: one TLM call over the root, the
+tree and the auxiliary rows (row layout and mask conventions: common/graph_io.py), exact
+verification (runtime/rejection.py), a commit of the accepted path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from common import graph_io
+
+_NONE = np.zeros(0, np.int64)
+
+
+@dataclass
+class Proposal:
+    """A tree of m drafted tokens under the root, and w auxiliary rows whose logits only the drafter reads.
+
+    tokens/parents [m]: node i is call row i + 1; its parent is a call row (0 = the root).
+    q [m, V]: the distributions a draft model sampled the (chain) tokens from; None for
+    deterministic candidates. aux_tokens [w] and aux_sees bool [w, w]: rows that see the root,
+    the committed cache and the auxiliary rows aux_sees says (lookahead's Jacobi window).
+    """
+
+    tokens: np.ndarray = field(default_factory=lambda: _NONE)
+    parents: np.ndarray = field(default_factory=lambda: _NONE)
+    q: np.ndarray | None = None
+    aux_tokens: np.ndarray = field(default_factory=lambda: _NONE)
+    aux_sees: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
+
+    @classmethod
+    def chain(cls, tokens: np.ndarray, q: np.ndarray | None = None) -> Proposal:
+        return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)), q)
+
+    @property
+    def depth(self) -> int:
+        """Length of the longest root-to-leaf path (how many cache slots an accepted path can take)."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return max(depth)
+
+    def rows(self, root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The call: tokens [n] (root, tree, aux), the tree's parents [1 + m] and sees bool [n, n]."""
+        parents = np.concatenate([[-1], self.parents]).astype(np.int64)
+        tree = len(parents)
+        n = tree + len(self.aux_tokens)
+        sees = np.zeros((n, n), bool)
+        sees[:tree, :tree] = graph_io.tree_sees(parents)
+        sees[tree:, 0] = True
+        sees[tree:, tree:] = self.aux_sees
+        return np.concatenate([[root], self.tokens, self.aux_tokens]).astype(np.int64), parents, sees
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, committed: list[int]) -> None:
+        """A new generation: `committed` is the prompt and the first generated token."""
+
+    def propose(self, committed: list[int], room: int) -> Proposal:
+        """This round's tree, at most `room` deep (an empty one: a plain decode step)."""
+
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+                round_ms: float) -> None:
+        """The TLM accepted `accepted` tree tokens and emitted `emitted` (those plus one);
+        `logits` holds every call row's logits; the round took round_ms of wall time."""
+
+    def summary(self) -> dict:
+        """Method-specific metrics."""

@@ -75,11 +75,11 @@ def summarize(runs: list) -> dict:
         drafted = max(sum(s["drafted"] for s in spec), 1)
         row["acceptance_rate"] = accepted / drafted
         row["mean_accepted_length"] = 1 + accepted / max(rounds, 1)
-        # where a round's time goes, pooled: one TLM scoring call, k DLM steps, host work
-        per_round = max(rounds, 1)
-        row["tlm_score_ms"] = 1000 * sum(s["tlm_score_step_s"] * s["rounds"] for s in spec) / per_round
-        row["dlm_step_ms"] = 1000 * sum(s["dlm_step_s"] * s["drafted"] for s in spec) / drafted
-        row["host_ms_per_round"] = 1000 * sum(s["host_overhead_per_round_s"] * s["rounds"] for s in spec) / per_round
+        # where a round's time goes, pooled: one TLM call (scoring or a plain step), drafting, host work
+        steps = max(sum(sp["rounds"] + sp["plain_decode_steps"] for sp in spec), 1)
+        row["tlm_score_ms"] = 1000 * sum(sp["tlm_s"] for sp in spec) / steps
+        row["dlm_step_ms"] = 1000 * sum(sp["draft_s"] for sp in spec) / drafted
+        row["host_ms_per_round"] = 1000 * sum(sp["host_s"] for sp in spec) / steps
     return row
 
 
@@ -119,10 +119,10 @@ def markdown(report: dict) -> str:
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
                      f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['pss_mib']:.0f} |")
-    lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM scoring call "
-              "of K+1 tokens, K DLM steps and host work; it yields `mean accepted` tokens where autoregressive "
-              "decoding spends one TLM step per token.", "",
-              "| configuration | AR ms per token | TLM score call | score / AR token | DLM step | host per round |",
+    lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM call (scoring "
+              "k+1 tokens, or a plain step when the policy does not draft), k DLM steps and host work; a drafting "
+              "round yields `mean accepted` tokens where autoregressive decoding spends one TLM step per token.", "",
+              "| configuration | AR ms per token | TLM call per round | call / AR token | DLM step | host per round |",
               "|---|---|---|---|---|---|"]
     for spd, ar in (("SpD", "baseline"), ("MXFP6 + SpD", "MXFP6")):
         s, step = rows[spd], 1000 / rows[ar]["decode_tokens_per_s"]

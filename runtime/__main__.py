@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common.manifest import ArtifactError
+from common.recipe import SPECULATION_METHODS
 from compiler.targets import TargetUnavailableError
 
 
@@ -20,9 +21,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     spd = p.add_mutually_exclusive_group()
-    spd.add_argument("--speculative", dest="speculative", action="store_true", default=None)
+    spd.add_argument("--speculative", nargs="?", const=True, default=None, choices=[*SPECULATION_METHODS, True],
+                     metavar="METHOD", help=f"speculate: the recipe's method, or one of {SPECULATION_METHODS}")
     spd.add_argument("--no-speculative", dest="speculative", action="store_false")
     p.add_argument("--draft-length", type=int, help="fix the speculative draft length (default: chosen per round)")
+    la = p.add_argument_group("lookahead (default: the recipe's [lookahead] settings)")
+    la.add_argument("--ngram", type=int, help="lookahead N-gram size")
+    la.add_argument("--window", type=int, help="lookahead Jacobi window W")
+    la.add_argument("--guesses", type=int, help="lookahead n-grams verified per step G")
+    pl = p.add_argument_group("prompt lookup (default: the recipe's [prompt_lookup] settings)")
+    pl.add_argument("--lookup-ngram", type=int, help="longest tail matched against the text so far")
+    pl.add_argument("--max-draft", type=int, help="most tokens proposed per match")
+    p.add_argument("--always-draft", action="store_true",
+                   help="prompt lookup/lookahead: speculate every round, even when plain decoding is faster")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     args = p.parse_args(argv)
 
@@ -35,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prompt if args.prompt is not None else prompts[0]
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative,
-                  draft_length=args.draft_length)
+                  draft_length=args.draft_length, **_method_settings(args))
         results = []
         pieces = stream(art, prompt, on_done=results.append, **kw)  # checks every argument first
         print(prompt, end="", flush=True)
@@ -54,10 +65,23 @@ def main(argv: list[str] | None = None) -> int:
           f" | decode {m.decode_tokens_per_s:.1f} tok/s | end-to-end {m.e2e_tokens_per_s:.1f} tok/s")
     if m.speculative:
         s = m.speculative
-        print(f"speculative: acceptance {s['acceptance_rate']:.2f} | mean accepted length "
-              f"{s['mean_accepted_length']:.2f} | TLM calls {s['tlm_calls']} | DLM calls {s['dlm_calls']} | "
-              f"draft lengths {s['draft_lengths_used']}, plain steps {s['plain_decode_steps']}")
+        print(f"speculative ({s['method']}): {s['tokens_per_tlm_call']:.2f} tokens per TLM call | acceptance "
+              f"{s['acceptance_rate']:.2f} | mean accepted length {s['mean_accepted_length']:.2f} | TLM calls "
+              f"{s['tlm_calls']} | rounds {s['rounds']}, plain steps {s['plain_decode_steps']}"
+              + (f" | DLM calls {s['dlm_calls']}, draft lengths {s['draft_lengths_used']}" if "dlm_calls" in s else ""))
     return 0
+
+
+def _method_settings(args: argparse.Namespace) -> dict:
+    """The lookahead/prompt_lookup keyword dicts from the flags that were given."""
+    la = {"ngram": args.ngram, "window": args.window, "guesses": args.guesses}
+    pl = {"ngram": args.lookup_ngram, "max_draft": args.max_draft}
+    out = {}
+    for name, given in (("lookahead", la), ("prompt_lookup", pl)):
+        given = {k: v for k, v in given.items() if v is not None} | ({"adaptive": False} if args.always_draft else {})
+        if given:
+            out[name] = given
+    return out
 
 
 if __name__ == "__main__":

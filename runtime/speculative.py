@@ -31,14 +31,12 @@ class RoundStats:
     """Counters for the metrics users expect of speculation (step compression, acceptance, calls, time)."""
 
     def __init__(self) -> None:
-        self.rounds = self.plain_steps = self.drafted = self.accepted = self.emitted = 0
+        self.rounds = self.plain_steps = self.drafted = self.accepted = self.delivered = 0
         self.drafted_at: list[int] = []  # rounds whose tree reached depth d + 1
         self.accepted_at: list[int] = []
         self.draft_s = self.tlm_s = self.round_s = 0.0
 
-    def record(self, proposal: Proposal, n_acc: int, n_emitted: int, draft_s: float, tlm_s: float,
-               round_s: float) -> None:
-        self.emitted += n_emitted
+    def record(self, proposal: Proposal, n_acc: int, draft_s: float, tlm_s: float, round_s: float) -> None:
         self.draft_s += draft_s
         self.tlm_s += tlm_s
         self.round_s += round_s
@@ -66,7 +64,7 @@ class RoundStats:
             "accepted": self.accepted,
             "acceptance_rate": a,
             "mean_accepted_length": 1 + self.accepted / max(self.rounds, 1),
-            "tokens_per_tlm_call": self.emitted / max(steps, 1),
+            "tokens_per_tlm_call": self.delivered / max(steps, 1),  # step compression
             "per_position_acceptance": [n / max(d, 1) for n, d in zip(self.accepted_at, self.drafted_at,
                                                                         strict=True)],
             "tlm_calls": tlm_calls,
@@ -158,8 +156,10 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
             emitted = [*tokens[path].tolist(), nxt]
             round_s = time.perf_counter() - t0
             drafter.observe(proposal, len(path), emitted, logits, round_s * 1e3)
-            stats.record(proposal, len(path), len(emitted), t1 - t0, t2 - t1, round_s)
+            stats.record(proposal, len(path), t1 - t0, t2 - t1, round_s)
             committed += emitted
-            yield from emitted
+            for t in emitted:
+                stats.delivered += 1  # what the caller took: it may stop inside a round's tokens
+                yield t
     finally:
         stats_out.update(stats.summary(drafter.name, tlm.calls - calls0) | drafter.summary())

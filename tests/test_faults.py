@@ -315,7 +315,7 @@ def test_garbage_config_is_a_clear_error(checkpoints, tmp_path):
     (dict(seed=-1), ValueError, "seed"),
     (dict(stop=""), ValueError, "stop"),
     (dict(stop=["ok", 3]), TypeError, "stop"),
-    (dict(speculative="no"), TypeError, "speculative"),
+    (dict(speculative="no"), ValueError, "speculative"),
     (dict(chat="yes"), TypeError, "chat"),
 ])
 def test_bad_generation_arguments_name_the_parameter(art, kwargs, error, name):

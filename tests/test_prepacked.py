@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import compiler.targets
 import runtime
 from benchmarks.variants import heap_prepacked_copy
-from common.recipe import ModelSpec
+from common.recipe import LookaheadSettings, ModelSpec, PromptLookupSettings
 from compiler.targets import TargetUnavailableError, platform_signature
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
@@ -94,7 +94,10 @@ def mid_artifact(tmp_path_factory):
     ck = tmp_path_factory.mktemp("mid") / "ck"
     AutoModelForCausalLM.from_config(config).save_pretrained(ck)
     byte_tokenizer().save_pretrained(ck)
-    return build_artifact(replace(tiny_recipe(), dlm=None), ck.parent / "art", tlm=str(ck), progress=False)
+    # the five graphs this bound was set for: no extra score graphs for prompt lookup, no lookahead graph
+    recipe = replace(tiny_recipe(), dlm=None, prompt_lookup=PromptLookupSettings(max_draft=3),
+                     lookahead=LookaheadSettings(ngram=2, window=1, guesses=1))
+    return build_artifact(recipe, ck.parent / "art", tlm=str(ck), progress=False)
 
 
 def _memory(art_dir: Path, *flags: str) -> dict:

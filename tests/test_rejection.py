@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from runtime.rejection import rejection_sample
+from runtime.rejection import rejection_sample, verify_candidates, verify_tree
 from runtime.sampling import SamplingParams, sample, softmax, warp
 
 AcceptFn = Callable[
@@ -423,3 +423,101 @@ def test_greedy_equivalence(seed: int, n_rows: int, k: int, v: int, agree: float
     want_n = np.where(match.all(axis=1), k, np.argmin(match, axis=1)) if k else np.zeros(n_rows)
     np.testing.assert_array_equal(n_acc, want_n)
     np.testing.assert_array_equal(nxt, target[np.arange(n_rows), n_acc])
+
+
+# ---------------------------------------------- (6) deterministic candidate trees (one-hot q)
+
+TRIE_TOKENS = np.array([-1, 2, 5, 1, 4, 6])  # row 0 is the root; rows 1.. are candidates
+TRIE_PARENTS = np.array([-1, 0, 0, 1, 1, 2])  # 2 -> {1, 4}, 5 -> {6}: a trie of three 2-grams
+M_TREE = 20_000
+
+
+def candidates_for(last: int) -> np.ndarray:
+    """Deterministic candidates that depend on the context (as prompt lookup's and lookahead's do)."""
+    tokens = TRIE_TOKENS.copy()
+    tokens[1:] = (tokens[1:] + last) % V
+    return tokens
+
+
+def _broken_accept_first(tokens, parents, target, rng):
+    """Bug: the first child is accepted with probability 1 (a candidate taken on trust)."""
+    path, node = [], 0
+    while (kids := [i for i in range(1, len(tokens)) if parents[i] == node]):
+        path.append(kids[0])
+        node = kids[0]
+    return path, int(sample(target(node), rng))
+
+
+def _broken_resample_from_p(tokens, parents, target, rng):
+    """Bug: the acceptance test is right, but a rejected candidate keeps its mass in r."""
+    node, path = 0, []
+    while True:
+        p = np.array(target(node))
+        kids = [i for i in range(1, len(tokens)) if parents[i] == node]
+        for child in kids:
+            if rng.random() < p[tokens[child]]:
+                path.append(child)
+                node = child
+                break
+        else:
+            return path, int(sample(p, rng))
+
+
+def simulate_trees(p_table: np.ndarray, verify=verify_candidates, seed: int = 0) -> np.ndarray:
+    """M_TREE sequences of N_POS tokens, each round verifying the trie of its context."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((M_TREE, N_POS), np.int64)
+    for m in range(M_TREE):
+        seq = [START]
+        while len(seq) <= N_POS:
+            tokens = candidates_for(seq[-1])
+            ctx = {0: seq[-1]}
+
+            def target(i: int, ctx=ctx, tokens=tokens) -> np.ndarray:
+                return p_table[ctx.setdefault(i, int(tokens[i]))]
+
+            path, nxt = verify(tokens, TRIE_PARENTS, target, rng)
+            seq += [int(tokens[i]) for i in path] + [nxt]
+        out[m] = seq[1 : N_POS + 1]
+    return out
+
+
+@pytest.mark.parametrize("params", [T1, TOPK3, TOPP08], ids=["t1", "topk3", "topp0.8"])
+def test_candidate_tree_output_matches_tlm_marginals(params: SamplingParams) -> None:
+    p_table = warp(TLM_LOGITS, params)
+    tokens = simulate_trees(p_table, seed=31)
+    assert check(tokens, exact_marginals(p_table)).ok()
+
+
+def test_candidate_tree_greedy_follows_the_argmax_chain() -> None:
+    p_table = warp(TLM_LOGITS, GREEDY)
+    chain = [START]
+    for _ in range(N_POS):
+        chain.append(int(np.argmax(p_table[chain[-1]])))
+    rng = np.random.default_rng(0)
+    seq = [START]
+    while len(seq) <= N_POS:
+        tokens = candidates_for(seq[-1])
+        path, nxt = verify_candidates(tokens, TRIE_PARENTS, lambda i, t=tokens, s=seq[-1]: p_table[
+            s if i == 0 else t[i]], rng)
+        seq += [int(tokens[i]) for i in path] + [nxt]
+    assert seq[: N_POS + 1] == chain
+
+
+@pytest.mark.parametrize("broken", [_broken_accept_first, _broken_resample_from_p],
+                         ids=["accept-with-probability-1", "resample-from-p"])
+def test_negative_control_candidate_tree_fails(broken) -> None:
+    p_table = warp(TLM_LOGITS, T1)
+    tokens = simulate_trees(p_table, verify=broken, seed=32)
+    fit = check(tokens, exact_marginals(p_table))
+    assert min(fit.pvalues) < P_CONTROL, fit
+
+
+def test_verify_tree_refuses_a_sampled_tree_and_dispatches_chains_to_mrs() -> None:
+    p = warp(TLM_LOGITS, T1)
+    with pytest.raises(ValueError, match="chain"):
+        verify_tree(np.array([0, 1, 2]), np.array([-1, 0, 0]), p[:2], lambda i: p[i], np.random.default_rng(0))
+    tokens, q = np.array([START, 1, 2]), p[[START, 1]]
+    a = verify_tree(tokens, np.array([-1, 0, 1]), q, lambda i: p[tokens[i]], np.random.default_rng(4))
+    n, nxt = rejection_sample(tokens[None, 1:], q[None], p[tokens][None], np.random.default_rng(4))
+    assert a == (list(range(1, int(n[0]) + 1)), int(nxt[0]))

@@ -171,10 +171,11 @@ def exact_marginals(tlm, prompt, params):
     return out
 
 
-def emitted_counts(art, prompt, kw, seed0=0):
+def emitted_counts(art, prompt, kw, seed0=0, draft_length=2):
     counts = np.zeros((N_POS, V))
+    kw = dict(speculative=True) | kw
     for s in range(SAMPLES):
-        ids = runtime.generate(art, prompt, max_new_tokens=N_POS, speculative=True, seed=seed0 + s, draft_length=2,
+        ids = runtime.generate(art, prompt, max_new_tokens=N_POS, seed=seed0 + s, draft_length=draft_length,
                                **kw).token_ids
         counts[np.arange(N_POS), ids] += 1
     return counts

@@ -14,9 +14,12 @@ since the machine, its load, host work and the interplay of sessions differ; the
 then a plain step, to measure what drafting must beat. The runtime adapts only when the TLM is
 greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
-estimate starts at a prior worth a few drafts. After `probe_every` plain rounds in a
-row the policy drafts once with the smallest k, so a generation whose text turns predictable
-later is noticed.
+estimate starts at a prior worth a few drafts. After a run of plain rounds the policy drafts once
+with the smallest k (a probe), so a generation whose text turns predictable later is noticed. The
+run is at least `probe_every` rounds, doubles after each probe that changed nothing, and is long
+enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe
+loses its cost minus the plain steps its expected tokens would have taken). Symmetrically, after
+`remeasure_every` drafting rounds in a row a plain step is measured again, replacing its estimate.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class DraftPolicy:
         prior_weight: float = 4.0,
         smoothing: float = 0.2,
         probe_every: int = 8,
+        probe_share: float = 0.02,
+        remeasure_every: int = 32,
     ) -> None:
         if not score_ms:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
@@ -48,9 +53,10 @@ class DraftPolicy:
         self.cost[0] = decode
         self.measured: set[int] = set()
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
-        self.smoothing, self.probe_every = smoothing, probe_every
+        self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
+        self.remeasure_every = remeasure_every
         self.drafted = self.accepted = 0
-        self.plain_in_a_row = 0
+        self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
 
     @property
@@ -71,20 +77,31 @@ class DraftPolicy:
 
     def choose(self, limit: int) -> int:
         """The draft length for this round; at most `limit` (the slots left for scoring)."""
-        ks = [k for k in self.cost if k <= limit]
+        ks = sorted(k for k in self.cost if k <= limit)
         if self.fixed is not None:
             return max(k for k in ks if k <= self.fixed)
         if self.adapt_costs and 0 not in self.measured:
-            return 0  # measure a plain step first: it is what drafting has to beat
+            self.drafting_in_a_row = 0
+            return 0  # measure a plain step (first, or again): it is what drafting has to beat
         best = max(ks, key=self.rate)
         if best > 0:
             self.wait = self.probe_every
-        elif self.plain_in_a_row >= self.wait and len(ks) > 1:
+            self.drafting_in_a_row += 1
+            if self.drafting_in_a_row >= self.remeasure_every:
+                self.measured.discard(0)  # a plain step's cost goes stale while drafting (one slow
+                # spell of the machine would otherwise keep it high): the next round measures it anew
+        elif len(ks) > 1 and self.plain_in_a_row >= max(self.wait, self._probe_gap(probe := min(ks[1:]))):
             self.wait *= 2  # back off: the last probe did not change the choice
             self.plain_in_a_row = 0
-            return min(k for k in ks if k > 0)  # probe: is drafting paying off again?
+            return probe  # is drafting paying off again?
         self.plain_in_a_row = self.plain_in_a_row + 1 if best == 0 else 0
+        self.drafting_in_a_row *= best > 0
         return best
+
+    def _probe_gap(self, k: int) -> float:
+        """Plain rounds per probe of k that keep probing within probe_share of the time."""
+        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0]
+        return loss / (self.probe_share * self.cost[0])
 
     def new_generation(self) -> None:
         self.drafted, self.accepted = self.drafted // 2, self.accepted // 2

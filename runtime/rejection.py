@@ -5,7 +5,9 @@
 - A tree of deterministic candidates (prompt lookup, lookahead n-grams; one-hot q): multi-candidate
   rejection sampling (`verify_candidates`; shared/notes/tree-decoding.md).
 `verify_tree` picks the rule for a proposal. Greedy decoding is the one-hot special case of both
-(accept the child equal to the TLM's argmax), not a separate path. The whole exactness argument
+(accept the child equal to the TLM's argmax); `verify_greedy` is that case computed directly (no
+V-sized float64 work per node: a plain step must cost what an autoregressive one does), and the
+tests hold it equal to the one-hot rules. The whole exactness argument
 lives in this one small, heavily tested file (as vLLM does); the decode loop only calls it.
 """
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from runtime.sampling import sample
 
-__all__ = ["rejection_sample", "verify_candidates", "verify_tree"]
+__all__ = ["rejection_sample", "verify_candidates", "verify_greedy", "verify_tree"]
 
 
 def rejection_sample(
@@ -120,3 +122,17 @@ def verify_tree(
     p = np.stack([target(i) for i in range(k + 1)])
     n_acc, nxt = rejection_sample(np.asarray(tokens[1:])[None], q[None], p[None], rng)
     return list(range(1, int(n_acc[0]) + 1)), int(nxt[0])
+
+
+def verify_greedy(tokens: np.ndarray, parents: np.ndarray, logits: np.ndarray) -> tuple[list[int], int]:
+    """Greedy verification of any tree: follow the child equal to the TLM's argmax (first index on
+    ties, as `warp`) while there is one; returns (accepted rows, root excluded; next token)."""
+    children: dict[tuple[int, int], int] = {(int(parents[i]), int(tokens[i])): i for i in range(1, len(tokens))}
+    node, path = 0, []
+    while True:
+        best = int(np.argmax(logits[node]))
+        child = children.get((node, best))
+        if child is None:
+            return path, best
+        path.append(child)
+        node = child

@@ -23,7 +23,7 @@ from runtime.draft_policy import DraftPolicy
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup
 from runtime.proposal import Drafter, Proposal
-from runtime.rejection import verify_tree
+from runtime.rejection import verify_greedy, verify_tree
 from runtime.sampling import SamplingParams, next_token, warp
 
 
@@ -40,8 +40,8 @@ class RoundStats:
         self.draft_s += draft_s
         self.tlm_s += tlm_s
         self.round_s += round_s
-        if not len(proposal.tokens):
-            self.plain_steps += 1
+        if not len(proposal.tokens) and not len(proposal.aux_tokens):
+            self.plain_steps += 1  # a decode step (a lookahead window without candidates is a round)
             return
         self.rounds += 1
         self.drafted += len(proposal.tokens)
@@ -150,8 +150,9 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
             t1 = time.perf_counter()
             logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees)
             t2 = time.perf_counter()
-            path, nxt = verify_tree(tokens[: len(parents)], parents, proposal.q,
-                                    lambda i, rows=logits: warp(rows[i], params), rng)
+            tree = tokens[: len(parents)]
+            path, nxt = (verify_tree(tree, parents, proposal.q, lambda i, rows=logits: warp(rows[i], params), rng)
+                         if params.do_sample else verify_greedy(tree, parents, logits))
             tlm.commit([0, *path])
             emitted = [*tokens[path].tolist(), nxt]
             round_s = time.perf_counter() - t0

@@ -68,12 +68,50 @@ def test_the_choice_maximises_the_rate_and_respects_the_limit():
 
 
 def test_plain_rounds_are_followed_by_probes_that_back_off():
-    p = policy(probe_every=3)
+    p = policy(probe_every=3, probe_share=1.0)  # probes cheap enough for the count alone to decide
     feed(p, 0.0)
     picks = [p.choose(100) for _ in range(11)]
     assert picks == [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1]
     p.new_generation()
     assert p.wait == 3  # a new text gets probed as soon as the first one was
+
+
+@pytest.mark.parametrize("share", [0.02, 0.1])
+def test_probes_cost_a_bounded_share_of_the_time_when_drafting_never_pays(share):
+    """Short generations reset the back-off; without the share bound, probes every 1, 2, 4, ...
+    plain rounds would cost ~8% here."""
+    p = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES}, probe_every=1, probe_share=share)
+    feed(p, 0.0)
+    spent, probes, rounds = 0.0, 0, 3000
+    for i in range(rounds):
+        if i % 100 == 0:
+            p.new_generation()
+        k = p.choose(100)
+        probes += k > 0
+        spent += p.cost[k]
+        p.observe(k, 0, p.cost[k])
+    assert probes >= 20  # it keeps looking, every generation
+    # A plain decode step per token is the baseline. The bound holds for the policy's acceptance
+    # estimate, which each new generation pulls back toward the prior (it halves the evidence).
+    assert spent / (rounds * p.cost[0]) - 1 <= 1.25 * share
+
+
+def test_a_plain_step_measured_in_a_slow_spell_is_measured_again():
+    p = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES})  # drafting never pays at true costs
+    feed(p, 0.0)
+    p.observe(0, 0, 1000.0)  # the machine stalled during a plain step: plain now looks 50x dearer
+    p.observe(0, 0, 1000.0)
+    picks = []
+    for _ in range(100):
+        k = p.choose(100)
+        picks.append(k)
+        p.observe(k, 0, 10.0 if k == 0 else p.cost[k])
+    assert picks[0] > 0 and picks[-50:].count(0) >= 48  # it drafted a while, measured again (probes aside)
+    stuck = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES}, remeasure_every=10**9)
+    feed(stuck, 0.0)
+    stuck.observe(0, 0, 1000.0)
+    stuck.observe(0, 0, 1000.0)
+    assert all(stuck.choose(100) > 0 for _ in range(100))  # the control: never re-measured
 
 
 def test_a_first_measurement_rescales_the_unmeasured_estimates():

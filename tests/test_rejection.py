@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from runtime.rejection import rejection_sample, verify_candidates, verify_tree
+from runtime.rejection import rejection_sample, verify_candidates, verify_greedy, verify_tree
 from runtime.sampling import SamplingParams, sample, softmax, warp
 
 AcceptFn = Callable[
@@ -521,3 +521,41 @@ def test_verify_tree_refuses_a_sampled_tree_and_dispatches_chains_to_mrs() -> No
     a = verify_tree(tokens, np.array([-1, 0, 1]), q, lambda i: p[tokens[i]], np.random.default_rng(4))
     n, nxt = rejection_sample(tokens[None, 1:], q[None], p[tokens][None], np.random.default_rng(4))
     assert a == (list(range(1, int(n[0]) + 1)), int(nxt[0]))
+
+
+def random_trie(rng: np.random.Generator, vocab: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A root and `size` nodes, each under a random earlier node, siblings distinct."""
+    tokens, parents, seen = [int(rng.integers(vocab))], [-1], set()
+    while len(tokens) <= size:
+        parent, token = int(rng.integers(len(tokens))), int(rng.integers(vocab))
+        if (parent, token) not in seen:
+            seen.add((parent, token))
+            tokens.append(token)
+            parents.append(parent)
+    return np.array(tokens), np.array(parents)
+
+
+def test_verify_greedy_equals_the_one_hot_rules_on_random_trees() -> None:
+    """The direct greedy walk must give what MRS (chains) and the candidate rule (trees) give with
+    one-hot targets, ties included (few distinct logit values make ties common)."""
+    rng = np.random.default_rng(7)
+    vocab, accepted = 5, 0
+    for trial in range(400):
+        size = int(rng.integers(0, 9))
+        chain = trial % 2 == 0
+        if chain:
+            tokens, parents = rng.integers(vocab, size=size + 1), np.arange(-1, size)
+        else:
+            tokens, parents = random_trie(rng, vocab, size)
+        logits = rng.integers(0, 3, size=(len(tokens), vocab)).astype(np.float32)
+        # Make the argmax walk go deep often: each node's child token becomes its parent's argmax.
+        for i in range(1, len(tokens)):
+            if rng.random() < 0.7:
+                logits[parents[i], tokens[i]] = 5.0
+        p = warp(logits, GREEDY)
+        q = np.eye(vocab)[tokens[1:]] if chain else None
+        want = verify_tree(tokens, parents, q, lambda i, p=p: p[i], np.random.default_rng(trial))
+        got = verify_greedy(tokens, parents, logits)
+        assert got == want, (trial, tokens, parents)
+        accepted += len(got[0])
+    assert accepted > 400  # deep walks were exercised, not only immediate rejections

@@ -148,6 +148,8 @@ def test_metrics_of_the_draft_free_methods(tlm_only):
         assert s["tokens_per_tlm_call"] == pytest.approx((len(r.token_ids) - 1) / steps)
         assert s["tlm_calls"] == steps + 3  # and 3 prefill chunks
         assert s["tokens_per_tlm_call"] > 1.2  # a repetitive prompt: several tokens per call
+        if method == "lookahead":
+            assert s["lookahead_steps"] == s["rounds"]  # window steps are rounds, even without candidates
 
 
 # --- sampled: the emitted distribution is the TLM's, end to end --------------------------------

@@ -133,12 +133,14 @@ def main() -> None:
         report["ratio_ours_over_hf"] = med["ours_ar"] / tps
         report["same_tokens_as_hf"] = hf_ids == ours_ids[: len(hf_ids)]
     s = spd.metrics.speculative
-    report["spd"] = {key: s[key] for key in ("k", "acceptance_rate", "mean_accepted_length", "cost_ratio_c",
-                                             "tlm_score_step_s", "dlm_step_s", "host_overhead_per_round_s",
-                                             "predicted_speedup")}
+    report["spd"] = {key: s.get(key) for key in ("method", "k", "acceptance_rate", "mean_accepted_length",
+                                                 "tokens_per_tlm_call", "cost_ratio_c", "tlm_step_s",
+                                                 "tlm_score_step_s", "predicted_speedup")}
     report["spd"]["measured_speedup"] = med["ours_spd"] / med["ours_ar"]
-    report["spd"]["measured_over_predicted"] = report["spd"]["measured_speedup"] / s["predicted_speedup"]
-    report["spd"]["host_overhead_fraction_of_tlm_step"] = s["host_overhead_per_round_s"] / s["tlm_score_step_s"]
+    if s.get("predicted_speedup"):
+        report["spd"]["measured_over_predicted"] = report["spd"]["measured_speedup"] / s["predicted_speedup"]
+    steps = max(s["rounds"] + s["plain_decode_steps"], 1)
+    report["spd"]["host_overhead_fraction_of_tlm_step"] = s["host_s"] / steps / s["tlm_step_s"]
     print(json.dumps(report, indent=2))
 
 

@@ -77,20 +77,20 @@ class Lookahead:
 
     def propose(self, committed: list[int], room: int) -> Proposal:
         self._add_text(committed)
-        if self.policy.choose(room) == 0:
-            return Proposal()
+        grams = self.pool.get(committed[-1], {})
+        fits = len(self.levels) + self.w - 1 <= room  # else the window's positions would leave the context
+        if not (grams or fits) or self.policy.choose(room) == 0:
+            return Proposal()  # nothing to score (or it does not pay): a plain step
         tokens, parents = [], []
         trie: dict[tuple[int, ...], int] = {}
-        for gram in reversed(self.pool.get(committed[-1], {})):  # most recent first
+        for gram in reversed(grams):  # most recent first
             gram = gram[:room]
             for d in range(len(gram)):
                 if gram[: d + 1] not in trie:
                     tokens.append(gram[d])
                     parents.append(trie[gram[:d]] if d else 0)
                     trie[gram[: d + 1]] = len(tokens)  # its call row
-        window = len(self.levels) * self.w
-        if len(self.levels) + self.w - 1 > room:  # the window's positions would leave the context
-            window = 0
+        window = len(self.levels) * self.w if fits else 0
         aux = np.concatenate(self.levels)[:window]
         return Proposal(np.array(tokens, np.int64), np.array(parents, np.int64), None, aux,
                         window_sees(len(self.levels), self.w)[:window, :window])

@@ -36,7 +36,7 @@ class PromptLookup:
         self.matched_rounds = 0
 
     def start(self, committed: list[int]) -> None:
-        self.policy.new_generation()
+        pass  # a kept policy was told of the new generation when it was handed out
 
     def propose(self, committed: list[int], room: int) -> Proposal:
         s = self.settings

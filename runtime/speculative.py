@@ -35,6 +35,7 @@ class RoundStats:
         self.drafted_at: list[int] = []  # rounds whose tree reached depth d + 1
         self.accepted_at: list[int] = []
         self.draft_s = self.tlm_s = self.round_s = 0.0
+        self.spec_draft_s = self.score_s = 0.0  # the same, on drafting rounds only (the chain model's c)
 
     def record(self, proposal: Proposal, n_acc: int, draft_s: float, tlm_s: float, round_s: float) -> None:
         self.draft_s += draft_s
@@ -44,6 +45,8 @@ class RoundStats:
             self.plain_steps += 1  # a decode step (a lookahead window without candidates is a round)
             return
         self.rounds += 1
+        self.spec_draft_s += draft_s
+        self.score_s += tlm_s
         self.drafted += len(proposal.tokens)
         self.accepted += n_acc
         depth = proposal.depth
@@ -56,6 +59,7 @@ class RoundStats:
         a = self.accepted / self.drafted if self.drafted else 0.0
         steps = self.rounds + self.plain_steps
         tlm_step = self.tlm_s / max(steps, 1)
+        score_step = self.score_s / max(self.rounds, 1)
         out = {
             "method": method,
             "rounds": self.rounds,
@@ -72,9 +76,10 @@ class RoundStats:
             "tlm_s": self.tlm_s,
             "host_s": self.round_s - self.draft_s - self.tlm_s,
             "tlm_step_s": tlm_step,
+            "tlm_score_step_s": score_step,
         }
         if method != "lookahead" and self.rounds:  # the i.i.d. chain model of shared/notes/spd-math.md
-            c = self.draft_s / max(self.drafted, 1) / tlm_step if tlm_step else 0.0
+            c = self.spec_draft_s / max(self.drafted, 1) / score_step if score_step else 0.0
             k = self.drafted / self.rounds
             out["cost_ratio_c"] = c
             out["predicted_speedup"] = ((1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1
@@ -117,7 +122,7 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
             raise ValueError(f"prompt_lookup max_draft {settings.max_draft} needs a graph of T = "
                              f"{settings.max_draft + 1}; this artifact's largest is T = {biggest}")
         fixed = draft_length or (None if settings.adaptive else settings.max_draft)
-        policy = _policy(art, ("prompt_lookup", settings.max_draft), lambda: DraftPolicy(
+        policy = _policy(art, ("prompt_lookup", settings.ngram, settings.max_draft), lambda: DraftPolicy(
             {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt),
             adapt and fixed is None)
         return PromptLookup(settings, policy)
@@ -127,7 +132,8 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         raise ValueError(f"lookahead {settings} needs a graph of T = {t}; this artifact's largest is "
                          f"T = {biggest}: export with these settings in the recipe's [lookahead] table")
     fixed = None if settings.adaptive else 1
-    policy = _policy(art, ("lookahead", t), lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),
+    key = ("lookahead", settings.ngram, settings.window, settings.guesses)
+    policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),
                      adapt and fixed is None)
     return Lookahead(settings, policy)
 

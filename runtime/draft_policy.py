@@ -94,8 +94,11 @@ class DraftPolicy:
             self.wait *= 2  # back off: the last probe did not change the choice
             self.plain_in_a_row = 0
             return probe  # is drafting paying off again?
-        self.plain_in_a_row = self.plain_in_a_row + 1 if best == 0 else 0
-        self.drafting_in_a_row *= best > 0
+        if best == 0:
+            self.plain_in_a_row += 1
+            self.drafting_in_a_row = 0
+        else:
+            self.plain_in_a_row = 0
         return best
 
     def _probe_gap(self, k: int) -> float:

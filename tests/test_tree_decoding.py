@@ -10,9 +10,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import runtime
 import runtime.rejection as rejection_module
 from common import graph_io
+from common.recipe import LookaheadSettings
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
-from runtime.lookahead import window_sees
+from runtime.lookahead import Lookahead, LookaheadPolicy, window_sees
 from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe
 from tests.test_speculative import V, emitted_counts, exact_marginals, min_p_value
@@ -150,6 +151,44 @@ def test_metrics_of_the_draft_free_methods(tlm_only):
         assert s["tokens_per_tlm_call"] > 1.2  # a repetitive prompt: several tokens per call
         if method == "lookahead":
             assert s["lookahead_steps"] == s["rounds"]  # window steps are rounds, even without candidates
+
+
+def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generation(tlm_only):
+    art = tlm_only
+    art.policies.clear()
+    for window, guesses in ((2, 1), (1, 2)):  # the same T = 7, different methods
+        runtime.generate(art, [0, *[5, 6, 7] * 4], max_new_tokens=12, speculative="lookahead",
+                         lookahead=dict(window=window, guesses=guesses))
+    assert {k for k in art.policies if k[0] == "lookahead"} == {("lookahead", 3, 2, 1), ("lookahead", 3, 1, 2)}
+    prompt = [0, *[5, 6, 7] * 4]
+    runtime.generate(art, prompt, max_new_tokens=20, speculative="prompt_lookup")
+    (kept,) = [p for k, p in art.policies.items() if k[0] == "prompt_lookup"]
+    drafted = kept.drafted
+    assert drafted >= 4
+    seen = []
+    observe = kept.observe
+    kept.observe = lambda *a: (seen.append(kept.drafted), observe(*a))  # history at the first round
+    runtime.generate(art, prompt, max_new_tokens=20, speculative="prompt_lookup")
+    assert seen[0] == drafted // 2
+
+
+class CountingPolicy(LookaheadPolicy):
+    def __init__(self) -> None:
+        super().__init__({1: 3.0}, 1.0, 0.0)
+        self.chosen = 0
+
+    def choose(self, limit: int) -> int:
+        self.chosen += 1
+        return 1
+
+
+def test_a_lookahead_round_with_nothing_to_score_is_a_plain_step_not_a_choice():
+    la = Lookahead(LookaheadSettings(ngram=3, window=3, guesses=3), CountingPolicy())
+    la.start([1, 2, 3, 4])
+    empty = la.propose([1, 2, 3, 4, 9], room=2)  # no n-gram starts with 9; the window needs room 4
+    assert not len(empty.tokens) and not len(empty.aux_tokens) and la.policy.chosen == 0
+    full = la.propose([1, 2, 3, 4, 9], room=10)
+    assert len(full.aux_tokens) == 3 and la.policy.chosen == 1
 
 
 # --- sampled: the emitted distribution is the TLM's, end to end --------------------------------

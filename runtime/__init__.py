@@ -1,12 +1,17 @@
-"""Host runtime: load a compiled artifact and generate (autoregressive or speculative)."""
+"""Host runtime: load a compiled artifact and generate (autoregressive, speculative, MultiDecode)."""
 
 from runtime.artifact import Artifact, ArtifactBusyError, load_artifact
-from runtime.generate import GenerationResult, Metrics, PromptTooLongError, generate, stream
+from runtime.beam_search import BeamSearchResult, BeamSequence, beam_search
+from runtime.forest import CapacityError
+from runtime.generate import generate, stream
 from runtime.model_runner import NonFiniteLogitsError
+from runtime.multi import MultiMetrics, MultiResult, generate_multi, stream_branches
+from runtime.request import PromptTooLongError
+from runtime.results import GenerationResult, Metrics
 from runtime.sampling import SamplingParams
 
 __all__ = [
-    "Artifact", "ArtifactBusyError", "GenerationResult", "Metrics", "NonFiniteLogitsError", "PromptTooLongError",
-    "SamplingParams",
-    "generate", "load_artifact", "stream",
+    "Artifact", "ArtifactBusyError", "BeamSearchResult", "BeamSequence", "CapacityError", "GenerationResult",
+    "Metrics", "MultiMetrics", "MultiResult", "NonFiniteLogitsError", "PromptTooLongError", "SamplingParams",
+    "beam_search", "generate", "generate_multi", "load_artifact", "stream", "stream_branches",
 ]

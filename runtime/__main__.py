@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--always-draft", action="store_true",
                    help="prompt lookup/lookahead: speculate every round, even when plain decoding is faster")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    md = p.add_argument_group("MultiDecode: several sequences in one call per step (the prompt is prefilled once)")
+    md.add_argument("--n", type=int, help="parallel sampling: N completions (with --sample; branch i uses seed + i)")
+    md.add_argument("--beams", type=int, help="beam search with this many beams (as transformers' num_beams)")
+    md.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
+    md.add_argument("--num-return", type=int, default=1, help="beam search: how many best sequences to print")
+    md.add_argument("--question", action="append",
+                    help="a question over the prompt (repeat it): all answers decode together")
     args = p.parse_args(argv)
 
     from runtime import load_artifact, stream
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         art = load_artifact(args.artifact)
         prompts = art.manifest.recipe.get("prompts") or ["def main():\n"]
         prompt = args.prompt if args.prompt is not None else prompts[0]
+        if args.n is not None or args.beams is not None or args.question:
+            return _multi(art, prompt, args)
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative,
                   draft_length=args.draft_length, **_method_settings(args))
@@ -69,6 +78,36 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['acceptance_rate']:.2f} | mean accepted length {s['mean_accepted_length']:.2f} | TLM calls "
               f"{s['tlm_calls']} | rounds {s['rounds']}, plain steps {s['plain_decode_steps']}"
               + (f" | DLM calls {s['dlm_calls']}, draft lengths {s['draft_lengths_used']}" if "dlm_calls" in s else ""))
+    return 0
+
+
+def _multi(art, prompt: str, args: argparse.Namespace) -> int:
+    """--n, --beams or --question: print every sequence when all are done."""
+    from runtime import beam_search, generate, generate_multi
+
+    if sum(x is not None and x != [] for x in (args.n, args.beams, args.question)) > 1:
+        raise ValueError("choose one of --n, --beams and --question")
+    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.beams is not None:
+        r = beam_search(art, prompt, num_beams=args.beams, max_new_tokens=args.max_new_tokens,
+                        length_penalty=args.length_penalty, num_return_sequences=args.num_return)
+        for i, s in enumerate(r.sequences):
+            print(f"=== beam {i} | score {s.score:.4f} | {s.finish_reason} ===\n{prompt}{s.text}\n")
+    else:
+        if args.n is not None:
+            r = generate(art, prompt, n=args.n, speculative=args.speculative or None, **sampling)
+            heads = [f"branch {i} | seed {seed}" for i, seed in enumerate(r.seeds)]
+            shown = [prompt] * args.n
+        else:
+            r = generate_multi(art, prompt, args.question, **sampling)
+            heads = [f"question {i}" for i in range(len(args.question))]
+            shown = [prompt + q for q in args.question]
+        for head, text, b in zip(heads, shown, r.branches, strict=True):
+            print(f"=== {head} | {b.finish_reason} | {b.metrics.new_tokens} tokens ===\n{text}{b.text}\n")
+    m = r.metrics
+    print(f"[{m.new_tokens} tokens in {m.steps} steps, {m.tlm_calls} TLM calls] {m.total_s:.2f}s | "
+          f"{m.tokens_per_s:.1f} tok/s summed over sequences | load {m.load_s:.2f}s")
     return 0
 
 

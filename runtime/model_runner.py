@@ -6,7 +6,9 @@ The cache is host-owned: slot s holds the token at position s of the committed s
 `length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
 as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
 token tree), so rows left out are never attended to again, and a rewind (purging committed
-speculative tokens) is just a smaller `length`.
+speculative tokens) is just a smaller `length`. Forests of sequences over one cache
+(runtime/forest.py) use the general pair underneath: `run_rows` (each row sees the slots its mask
+row names) and `store` (rows' KV into chosen slots).
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs.
 """
@@ -101,23 +103,30 @@ class ModelRunner:
 
         `sees` (bool [n, n]) says which new rows each row sees (default: causal); positions follow
         from it (graph_io.row_positions). Nothing is committed: `commit` chooses which rows' KV
-        enter the cache. Unused rows of a fixed-shape graph are padding that only sees itself.
+        enter the cache.
+        """
+        sees = np.tri(len(tokens), dtype=bool) if sees is None else sees
+        return self.run_rows(graph, tokens, np.arange(self.context) < self.length, sees)
+
+    def run_rows(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray) -> np.ndarray:
+        """The general call: row i sees the cache slots `cache_sees[i]` (bool [n, C], or [C] for all
+        rows) and the new rows `sees[i]`; its position is the number of tokens it sees, minus one.
+        Return the rows' logits [n, V]. Unused rows of a fixed-shape graph are padding that only
+        sees itself.
         """
         g = self.graphs[graph]
-        n, start = len(tokens), self.length
+        n, c = len(tokens), self.context
         if n > g.tokens:
             raise ValueError(f"{n} tokens do not fit graph {graph!r} (T = {g.tokens})")
-        sees = np.tri(n, dtype=bool) if sees is None else sees
-        positions = graph_io.row_positions(start, sees)
-        if positions.max() >= self.context:
-            raise ValueError(f"position {positions.max()} is past the context length {self.context}")
-        c = self.context
+        positions = np.sum(cache_sees, axis=-1) + sees.sum(axis=1) - 1
+        if positions.max() >= c:
+            raise ValueError(f"position {positions.max()} is past the context length {c}")
         g.input_ids[0, :n] = tokens
         g.input_ids[0, n:] = 0
         g.position_ids[0, :n] = positions
-        g.position_ids[0, n:] = start
+        g.position_ids[0, n:] = 0
         g.mask[...] = False
-        g.mask[0, :n, :start] = True
+        g.mask[0, :n, :c] = cache_sees
         g.mask[0, :n, c : c + n] = sees
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
@@ -126,8 +135,8 @@ class ModelRunner:
         self._last = g
         if not np.isfinite(g.logits[0, :n]).all():
             raise NonFiniteLogitsError(
-                f"graph {graph!r} produced NaN/Inf logits at position {start}..{positions.max()}: no token "
-                "can be chosen from them (damaged weights, or values overflowing the weight format)"
+                f"graph {graph!r} produced NaN/Inf logits at positions {positions.min()}..{positions.max()}: no "
+                "token can be chosen from them (damaged weights, or values overflowing the weight format)"
             )
         return g.logits[0, :n]
 
@@ -138,10 +147,18 @@ class ModelRunner:
         start, m = self.length, len(rows)
         if start + m > self.context:
             raise ValueError(f"{start + m} tokens exceed the context length {self.context}")
-        chain = m == 0 or (rows[0] == 0 and (np.diff(rows) == 1).all())
-        for cache, new in zip(self.cache, self._last.new_kv, strict=True):
-            cache[:, :, start : start + m] = new[:, :, :m] if chain else new[:, :, rows]
+        self.store(rows, np.arange(start, start + m))
         self.length = start + m
+
+    def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Write the KV of these rows of the last call into these cache slots (one slot per row)."""
+        m = len(rows)
+        chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
+        for cache, new in zip(self.cache, self._last.new_kv, strict=True):
+            if chain:  # contiguous on both sides: one slice copy
+                cache[:, :, slots[0] : slots[0] + m] = new[:, :, :m]
+            else:
+                cache[:, :, slots] = new[:, :, rows]
 
     def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
         """Process a chain of tokens and commit all of them; return their logits [n, V]."""

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import runtime
-from runtime.generate import PromptTooLongError
+from runtime.request import PromptTooLongError
 
 
 @pytest.fixture(scope="module")

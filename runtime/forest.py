@@ -1,0 +1,104 @@
+"""A forest of sequences over one KV cache (MultiDecode): many branches advance in one call.
+
+A branch is the set of cache slots it sees (`view`, bool [C]): its shared prefix and its own
+tokens. A new token's KV goes into any free slot; its mask row is its branch's view plus itself,
+its position the branch's length, so every branch's logits equal a plain chain forward of its own
+tokens (graph_io's conventions; K is stored after RoPE, so a slot's index does not matter).
+Forking a branch copies its view (C booleans), never KV; a slot is free when no live branch sees
+it, so a released branch's own slots are reused at once while a prefix shared with live branches
+stays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.model_runner import ModelRunner
+
+
+class CapacityError(ValueError):
+    """A request whose branches do not fit the cache's slots."""
+
+
+class Branch:
+    def __init__(self, view: np.ndarray) -> None:
+        self.view = view
+        self.length = int(view.sum())  # tokens it sees: the position of its next token
+
+
+class Forest:
+    def __init__(self, runner: ModelRunner, max_rows: int | None = None) -> None:
+        """`max_rows` caps the rows per call (default: the largest graph's T); more rows are split
+        into several calls per step, each seeing only the cache and its own branch's rows."""
+        self.runner = runner
+        self.max_rows = max_rows or max(g.tokens for g in runner.graphs.values())
+        self.live: list[Branch] = []
+        runner.rewind(0)
+
+    def root(self, prompt: np.ndarray | None = None) -> tuple[Branch, np.ndarray | None]:
+        """A branch holding the prompt (prefilled into slots 0.., exactly as a single sequence is)
+        and the prompt's last logits; an empty branch without a prompt."""
+        view = np.zeros(self.runner.context, dtype=bool)
+        logits = None
+        if prompt is not None and len(prompt):
+            self.runner.rewind(0)
+            logits = self.runner.prefill(prompt).copy()
+            view[: len(prompt)] = True
+        branch = Branch(view)
+        self.live.append(branch)
+        return branch, logits
+
+    def fork(self, branch: Branch) -> Branch:
+        child = Branch(branch.view.copy())
+        self.live.append(child)
+        return child
+
+    def release(self, branch: Branch) -> None:
+        self.live.remove(branch)
+
+    def free_slots(self) -> int:
+        return int((~self._used()).sum())
+
+    def _used(self) -> np.ndarray:
+        used = np.zeros(self.runner.context, dtype=bool)
+        for b in self.live:
+            used |= b.view
+        return used
+
+    def extend(self, branches: list[Branch], chains: list[list[int]]) -> np.ndarray:
+        """Append each chain of tokens to its (distinct) branch; return each chain's last-row logits [n, V].
+
+        All rows go in as few calls as the graphs allow; a row sees its branch's view and the rows
+        of its own chain before it in the same call.
+        """
+        lengths = np.array([len(c) for c in chains], dtype=np.int64)
+        if len(branches) != len(chains) or not chains:
+            raise ValueError(f"extend needs one chain per branch, got {len(branches)} branches, {len(chains)} chains")
+        if (lengths < 1).any():
+            raise ValueError("every chain needs at least one token")
+        owner = np.repeat(np.arange(len(chains)), lengths)
+        tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
+        slots = self._allocate(len(tokens))
+        last = np.cumsum(lengths) - 1  # each chain's last row
+        out = np.empty((len(chains), self.runner.dims.vocab_size), dtype=np.float32)
+        for s in range(0, len(tokens), self.max_rows):
+            rows = np.arange(s, min(s + self.max_rows, len(tokens)))
+            o = owner[rows]
+            sees = (o[:, None] == o[None, :]) & np.tri(len(rows), dtype=bool)
+            cache_sees = np.stack([branches[b].view for b in o])
+            logits = self.runner.run_rows(self.runner.graph_for(len(rows)), tokens[rows], cache_sees, sees)
+            self.runner.store(rows - s, slots[rows])
+            for b in np.unique(o):
+                mine = rows[o == b]
+                branches[b].view[slots[mine]] = True
+                branches[b].length += len(mine)
+            done = np.flatnonzero((last >= rows[0]) & (last <= rows[-1]))
+            out[done] = logits[last[done] - s]
+        return out
+
+    def _allocate(self, n: int) -> np.ndarray:
+        free = np.flatnonzero(~self._used())
+        if len(free) < n:
+            raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "
+                                f"{self.runner.context} are free")
+        return free[:n]

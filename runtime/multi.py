@@ -1,0 +1,265 @@
+"""MultiDecode: several sequences decoded together, one TLM call per step, over one shared cache.
+
+Parallel sampling (`n` completions of one prompt, prefilled once) and several questions over one
+context (or several unrelated prompts) are the same loop: every live branch feeds its newest token
+as one row of a single call (runtime/forest.py), and each branch samples from its own row with its
+own random stream. Branch i of a request with seed s draws from default_rng(s + i) exactly as a
+single generation with seed s + i does, so it reproduces alone:
+`generate(art, prompt, do_sample=True, seed=s + i, speculative=False)`. Speculation is per sequence,
+so MultiDecode does not speculate; its speed comes from the branches sharing each call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.artifact import Artifact, load_artifact
+from runtime.forest import Branch, CapacityError, Forest
+from runtime.request import check_int, check_optional_bool, encode_prompt, stop_strings
+from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
+from runtime.sampling import SamplingParams, next_token
+
+
+@dataclass
+class MultiMetrics:
+    prompt_tokens: int  # prompt tokens processed: a shared context counts once
+    new_tokens: int  # summed over branches
+    steps: int  # decode steps: each advances every live branch
+    tlm_calls: int
+    ttft_s: float  # prefill + the first tokens of all branches
+    total_s: float
+    tokens_per_s: float  # new tokens summed over branches / total time
+    load_s: float
+
+
+@dataclass
+class MultiResult:
+    branches: list[GenerationResult]  # one per completion, in request order
+    seeds: list[int]  # branch i's seed: generate(..., seed=seeds[i], speculative=False) reproduces it
+    metrics: MultiMetrics
+
+
+def check_capacity(art: Artifact, shared: int, own: Sequence[int], max_new_tokens: int, what: str) -> None:
+    """Refuse up front a request whose branches cannot all reach max_new_tokens in the cache."""
+    context = art.manifest.context_length
+    fed = len(own) * (max_new_tokens - 1)  # every new token but each branch's last enters the cache
+    need = shared + sum(own) + fed
+    if need > context:
+        parts = [f"{shared} shared prompt tokens"] if shared else []
+        parts += [f"{sum(own)} tokens of {len(own)} {what}"] if sum(own) else []
+        parts += [f"{len(own)} {what} x {max_new_tokens - 1} new tokens"]
+        raise CapacityError(
+            f"{' + '.join(parts)} = {need} cache slots, but the artifact's cache holds {context} "
+            f"(its context_length): lower the number of {what} or max_new_tokens, or export with a "
+            "larger context_length in the recipe"
+        )
+
+
+class MultiGeneration:
+    """Branches decoded together: iterate for (branch, token) as they come; `.result` when all end."""
+
+    def __init__(self, art: Artifact, context: list[int], chains: list[list[int]], n: int, max_new_tokens: int,
+                 params: SamplingParams, seed: int | None, stop: Sequence[str]) -> None:
+        self.art, self.context, self.chains, self.n = art, context, chains, n
+        self.max_new_tokens, self.params, self.stop = max_new_tokens, params, tuple(stop)
+        base = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+        self.seeds = [base + i for i in range(n)]
+        self.result: MultiResult | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        with self.art.exclusive():
+            yield from self._run()
+
+    def _start(self, forest: Forest) -> tuple[list[Branch], np.ndarray]:
+        """Prefill the shared context once, then each branch's own tokens (masked from the others)."""
+        root, logits = forest.root(np.asarray(self.context, dtype=np.int64) if self.context else None)
+        branches = [forest.fork(root) for _ in range(self.n)]
+        forest.release(root)
+        if self.chains:
+            return branches, forest.extend(branches, self.chains)
+        return branches, np.repeat(logits[None], self.n, axis=0)
+
+    def _run(self) -> Iterator[tuple[int, int]]:
+        start = time.perf_counter()
+        tlm = self.art.tlm
+        calls0, steps = tlm.calls, 0
+        forest = Forest(tlm)
+        branches, logits = self._start(forest)
+        rngs = [np.random.default_rng(s) for s in self.seeds]
+        ids: list[list[int]] = [[] for _ in range(self.n)]
+        finish: list[str | None] = [None] * self.n
+        ended = [0.0] * self.n
+        live, ttft = list(range(self.n)), 0.0
+        while live:
+            fed = []
+            for row, i in enumerate(live):
+                ids[i].append(next_token(logits[row], self.params, rngs[i]))
+                yield i, ids[i][-1]
+                finish[i] = finish_reason(self.art, ids[i], self.stop, self.max_new_tokens)
+                if finish[i] is None and branches[i].length >= tlm.context:
+                    finish[i] = "length"  # as a single sequence stops when the context is full
+                if finish[i]:
+                    forest.release(branches[i])
+                    ended[i] = time.perf_counter() - start
+                else:
+                    fed.append(i)
+            ttft = ttft or time.perf_counter() - start
+            live = fed
+            if live:
+                logits = forest.extend([branches[i] for i in live], [[ids[i][-1]] for i in live])
+                steps += 1
+        total = time.perf_counter() - start
+        self.result = self._result(ids, finish, ended, ttft, total, steps, tlm.calls - calls0)
+
+    def _result(self, ids: list[list[int]], finish: list, ended: list[float], ttft: float, total: float,
+                steps: int, calls: int) -> MultiResult:
+        tok = self.art.tokenizer
+        results = []
+        for i in range(self.n):
+            own = len(self.context) + (len(self.chains[i]) if self.chains else 0)
+            decode = ended[i] - ttft
+            m = Metrics(prompt_tokens=own, new_tokens=len(ids[i]), ttft_s=ttft, decode_s=decode, total_s=ended[i],
+                        decode_tokens_per_s=(len(ids[i]) - 1) / decode if decode > 0 and len(ids[i]) > 1 else 0.0,
+                        e2e_tokens_per_s=len(ids[i]) / ended[i] if ended[i] > 0 else 0.0,
+                        load_s=self.art.load_seconds)
+            results.append(GenerationResult(ids[i], tok.decode(ids[i], skip_special_tokens=True), finish[i], m))
+        new = sum(len(x) for x in ids)
+        metrics = MultiMetrics(
+            prompt_tokens=len(self.context) + sum(len(c) for c in self.chains), new_tokens=new, steps=steps,
+            tlm_calls=calls, ttft_s=ttft, total_s=total, tokens_per_s=new / total if total > 0 else 0.0,
+            load_s=self.art.load_seconds,
+        )
+        return MultiResult(results, self.seeds, metrics)
+
+
+def _sampling(max_new_tokens: object, do_sample: object, temperature: object, top_k: object, top_p: object,
+              seed: object, stop: object) -> tuple[SamplingParams, tuple[str, ...]]:
+    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    if max_new_tokens is not None:
+        check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        check_int("seed", seed, 0)
+    return params, stop_strings(stop)
+
+
+def _max_new(art: Artifact, max_new_tokens: int | None) -> int:
+    return int(art.manifest.recipe.get("max_new_tokens", 128)) if max_new_tokens is None else max_new_tokens
+
+
+def start_branches(
+    artifact: str | Path | Artifact,
+    prompt: str | Sequence[int],
+    n: int,
+    max_new_tokens: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    chat: bool | None = None,
+    speculative: bool | str | None = None,
+) -> MultiGeneration:
+    """Check a parallel-sampling request (everything before any work) and set it up."""
+    check_int("n", n, 1)
+    params, stop = _sampling(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
+    if n > 1 and not params.do_sample:
+        raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
+                         "n samples, or use beam_search() for the n best sequences")
+    if speculative not in (None, False):
+        raise ValueError("speculative decoding runs one sequence per call; with n the branches share each "
+                         "call instead: leave speculative unset (or False)")
+    check_optional_bool("chat", chat)
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    ids, max_new = encode_prompt(art, prompt, chat), _max_new(art, max_new_tokens)
+    check_capacity(art, len(ids), [0] * n, max_new, "branches")
+    return MultiGeneration(art, ids, [], n, max_new, params, seed, stop)
+
+
+def start_multi(
+    artifact: str | Path | Artifact,
+    context: str | Sequence[int] | None,
+    questions: Sequence[str | Sequence[int]],
+    max_new_tokens: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+) -> MultiGeneration:
+    """Check a several-questions request and set it up: the context (if any) is prefilled once."""
+    if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
+        raise TypeError(f"questions must be a list of strings or token-id lists, got {type(questions).__name__}")
+    if not questions:
+        raise ValueError("questions is empty: give at least one question")
+    params, stop = _sampling(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    max_new = _max_new(art, max_new_tokens)
+    if context is None or (isinstance(context, str) and not context):
+        shared, chains = [], [encode_prompt(art, q, chat=False) for q in questions]
+    else:
+        shared = encode_prompt(art, context, chat=False)
+        chains = [_continuation_ids(art, q, i) for i, q in enumerate(questions)]
+        encode_prompt(art, shared + max(chains, key=len), chat=False)  # the longest context + question fits
+    check_capacity(art, len(shared), [len(c) for c in chains], max_new, "questions")
+    return MultiGeneration(art, shared, chains, len(chains), max_new, params, seed, stop)
+
+
+def _continuation_ids(art: Artifact, question: str | Sequence[int], i: int) -> list[int]:
+    """A question that follows the context: its tokens without special tokens (no second BOS)."""
+    ids = art.tokenizer(question, add_special_tokens=False)["input_ids"] if isinstance(question, str) \
+        else list(question)
+    if not ids:
+        raise ValueError(f"question {i} is empty")
+    return encode_prompt(art, ids, chat=False)  # token ids checked
+
+
+def collect(gen: MultiGeneration) -> MultiResult:
+    for _ in gen:
+        pass
+    assert gen.result is not None
+    return gen.result
+
+
+def generate_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
+                   questions: Sequence[str | Sequence[int]], **kwargs) -> MultiResult:
+    """Answer several questions over one context, all decoded together (greedy unless do_sample).
+
+    The context is prefilled once; each question sees the context and itself, never another
+    question. Answer i equals a separate `generate(art, context_ids + question_ids)` (greedy), where
+    a text question is tokenized on its own, without special tokens. context=None: the questions
+    are unrelated prompts (each encoded as generate() would). Keywords: max_new_tokens, do_sample,
+    temperature, top_k, top_p, seed (answer i uses seed + i), stop.
+    """
+    return collect(start_multi(artifact, context, questions, **kwargs))
+
+
+def stream_branches(
+    artifact: str | Path | Artifact,
+    prompt: str | Sequence[int],
+    n: int,
+    on_done: Callable[[MultiResult], None] | None = None,
+    **kwargs,
+) -> Iterator[tuple[int, str]]:
+    """Parallel sampling, streamed: yield (branch, text piece) as each branch produces text."""
+    return _stream(start_branches(artifact, prompt, n, **kwargs), on_done)
+
+
+def _stream(gen: MultiGeneration, on_done: Callable[[MultiResult], None] | None) -> Iterator[tuple[int, str]]:
+    pieces = [TextPieces(gen.art.tokenizer) for _ in range(gen.n)]
+    for i, token in gen:
+        piece = pieces[i].add(token)
+        if piece:
+            yield i, piece
+    if gen.result is not None:
+        for i, r in enumerate(gen.result.branches):
+            if rest := pieces[i].rest(r.text):
+                yield i, rest
+        if on_done is not None:
+            on_done(gen.result)

@@ -1,0 +1,114 @@
+"""Turning a caller's arguments into a checked request: prompts, numbers, methods, stop strings.
+
+Everything is validated before any model work, so bad input fails fast and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Integral
+
+import numpy as np
+
+from common.recipe import SPECULATION_METHODS, LookaheadSettings, PromptLookupSettings, settings_from
+from runtime.artifact import Artifact
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that does not fit the artifact's context length or prompt limit."""
+
+
+def token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids: a sequence (or 1-D array) of integers, nothing else."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+        raise TypeError(f"prompt: token ids must be 1-D, got an array of shape {prompt.shape}")
+    if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, (bytes, bytearray)):
+        raise TypeError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, Integral)]
+    if bad:
+        raise TypeError(f"prompt: token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in prompt]
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_optional_bool(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True, False or None, got {value!r} ({type(value).__name__})")
+
+
+def speculation_method(art: Artifact, speculative: object) -> str | None:
+    """The speculation method a generation uses (None: autoregressive).
+
+    None follows the recipe (its method, if speculative; "draft" without a draft model is off);
+    True is the recipe's method; False is off; a string names a method.
+    """
+    recipe = art.manifest.recipe
+    default = recipe.get("speculation", "draft")
+    if speculative is None:
+        on = recipe.get("speculative", False) and (default != "draft" or "dlm" in art.runners)
+        return default if on else None
+    if isinstance(speculative, str):
+        if speculative not in SPECULATION_METHODS:
+            raise ValueError(f"speculative: {speculative!r} is not one of {SPECULATION_METHODS} (or True/False)")
+        method = speculative
+    else:
+        check_optional_bool("speculative", speculative)
+        method = default if speculative else None
+    if method == "draft":
+        art.dlm  # noqa: B018 - raises a clear error when the artifact has no draft model
+    return method
+
+
+def method_settings(art: Artifact, method: str | None, lookahead: object, prompt_lookup: object) -> object:
+    """The method's settings: the recipe's, updated by the caller's dict (every key checked)."""
+    recipe = art.manifest.recipe
+    for name, given in (("lookahead", lookahead), ("prompt_lookup", prompt_lookup)):
+        if given is not None and not isinstance(given, dict):
+            raise TypeError(f"{name} must be a dict of settings, got {type(given).__name__}")
+    if method == "lookahead":
+        return settings_from(LookaheadSettings, recipe.get("lookahead", {}) | (lookahead or {}), "lookahead")
+    if method == "prompt_lookup":
+        return settings_from(PromptLookupSettings, recipe.get("prompt_lookup", {}) | (prompt_lookup or {}),
+                             "prompt_lookup")
+    return None
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop: an empty stop string would match everywhere; remove it")
+    return tuple(stop)
+
+
+def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None = None) -> list[int]:
+    if not isinstance(prompt, str):
+        ids = token_ids(prompt)
+    else:
+        chat = art.manifest.recipe.get("chat_template", False) if chat is None else chat
+        tok = art.tokenizer
+        if chat and tok.chat_template:
+            ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False))
+        else:
+            ids = tok(prompt)["input_ids"]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    vocab = art.manifest.models["tlm"].dims.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
+    limit = art.manifest.context_length - 1
+    if len(ids) > limit:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens but the artifact's context length "
+            f"{art.manifest.context_length} leaves room for at most {limit} (plus one generated "
+            "token); shorten the prompt or export with a longer context_length"
+        )
+    return ids

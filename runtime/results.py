@@ -1,0 +1,61 @@
+"""What a generation returns, and the stopping rules every decoding loop shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from runtime.artifact import Artifact
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0  # prefill + first token
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    e2e_tokens_per_s: float = 0.0
+    load_s: float = 0.0
+    speculative: dict = field(default_factory=dict)  # filled by speculative decoding
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos", "length" or "stop"
+    metrics: Metrics
+
+
+def finish_reason(art: Artifact, ids: Sequence[int], stop: Sequence[str], max_new_tokens: int) -> str | None:
+    """Why a sequence whose newest token is ids[-1] ends now ("eos", "stop", "length"), or None."""
+    if ids[-1] in art.eos_token_ids:
+        return "eos"
+    if stop and any(s in art.tokenizer.decode(ids[-32:], skip_special_tokens=True) for s in stop):
+        return "stop"
+    if len(ids) >= max_new_tokens:
+        return "length"
+    return None
+
+
+class TextPieces:
+    """Tokens in, text pieces out, as they come; an incomplete multi-byte character waits for the rest."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def add(self, token: int) -> str | None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return None
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def rest(self, final_text: str) -> str:
+        """What the final text holds beyond the pieces shown (a trailing incomplete character)."""
+        return final_text[len(self.shown):]

@@ -25,7 +25,7 @@ import numpy as np
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import Forest
 from runtime.multi import MultiMetrics, check_capacity
-from runtime.request import check_int, check_optional_bool, encode_prompt
+from runtime.request import check_int, check_optional_bool, decoding, encode_prompt
 
 NEG = np.float32(-1e9)  # transformers' "never choose this" score
 
@@ -127,8 +127,7 @@ def beam_search(
     check_int("num_return_sequences", num_return_sequences, 1)
     if num_return_sequences > num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) cannot exceed num_beams ({num_beams})")
-    if max_new_tokens is not None:
-        check_int("max_new_tokens", max_new_tokens, 1)
+    d = decoding(max_new_tokens=max_new_tokens)
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, Real) or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if not (isinstance(early_stopping, bool) or early_stopping == "never"):
@@ -138,7 +137,7 @@ def beam_search(
         check_int("rows_per_call", rows_per_call, 1)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     ids = encode_prompt(art, prompt, chat)
-    max_new = int(art.manifest.recipe.get("max_new_tokens", 128)) if max_new_tokens is None else max_new_tokens
+    max_new = d.new_tokens(art)
     check_capacity(art, len(ids), [0] * num_beams, max_new, "beams")
     start = time.perf_counter()
     with art.exclusive():

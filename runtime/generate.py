@@ -20,10 +20,10 @@ from runtime.multi import MultiResult, collect, start_branches
 from runtime.request import (
     check_int,
     check_optional_bool,
+    decoding,
     encode_prompt,
     method_settings,
     speculation_method,
-    stop_strings,
 )
 from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
 from runtime.sampling import SamplingParams, next_token
@@ -130,12 +130,7 @@ def start_generation(
     prompt_lookup: dict | None = None,
 ) -> Generation:
     """Validate everything up front (so bad input fails before any work) and set up a Generation."""
-    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    if max_new_tokens is not None:
-        check_int("max_new_tokens", max_new_tokens, 1)
-    if seed is not None:
-        check_int("seed", seed, 0)
-    stop = stop_strings(stop)
+    d = decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     if not isinstance(speculative, str):
         check_optional_bool("speculative", speculative)
     check_optional_bool("chat", chat)
@@ -154,10 +149,8 @@ def start_generation(
                              f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
         if method == "prompt_lookup" and draft_length > settings.max_draft:
             raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
-    if max_new_tokens is None:
-        max_new_tokens = int(art.manifest.recipe.get("max_new_tokens", 128))
     ids = encode_prompt(art, prompt, chat)
-    return Generation(art, ids, max_new_tokens, params, seed, stop, method, settings, draft_sampling,
+    return Generation(art, ids, d.new_tokens(art), d.params, seed, d.stop, method, settings, draft_sampling,
                       draft_length)
 
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import Branch, CapacityError, Forest
-from runtime.request import check_int, check_optional_bool, encode_prompt, stop_strings
+from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt
 from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
-from runtime.sampling import SamplingParams, next_token
+from runtime.sampling import next_token
 
 
 @dataclass
@@ -64,10 +64,10 @@ class MultiGeneration:
     """Branches decoded together: iterate for (branch, token) as they come; `.result` when all end."""
 
     def __init__(self, art: Artifact, context: list[int], chains: list[list[int]], n: int, max_new_tokens: int,
-                 params: SamplingParams, seed: int | None, stop: Sequence[str]) -> None:
+                 d: Decoding) -> None:
         self.art, self.context, self.chains, self.n = art, context, chains, n
-        self.max_new_tokens, self.params, self.stop = max_new_tokens, params, tuple(stop)
-        base = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+        self.max_new_tokens, self.params, self.stop = max_new_tokens, d.params, d.stop
+        base = int(np.random.SeedSequence().entropy % 2**31) if d.seed is None else d.seed
         self.seeds = [base + i for i in range(n)]
         self.result: MultiResult | None = None
 
@@ -137,38 +137,15 @@ class MultiGeneration:
         return MultiResult(results, self.seeds, metrics)
 
 
-def _sampling(max_new_tokens: object, do_sample: object, temperature: object, top_k: object, top_p: object,
-              seed: object, stop: object) -> tuple[SamplingParams, tuple[str, ...]]:
-    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    if max_new_tokens is not None:
-        check_int("max_new_tokens", max_new_tokens, 1)
-    if seed is not None:
-        check_int("seed", seed, 0)
-    return params, stop_strings(stop)
+def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int], n: int, chat: bool | None = None,
+                   speculative: bool | str | None = None, **sampling) -> MultiGeneration:
+    """Check a parallel-sampling request (everything before any work) and set it up.
 
-
-def _max_new(art: Artifact, max_new_tokens: int | None) -> int:
-    return int(art.manifest.recipe.get("max_new_tokens", 128)) if max_new_tokens is None else max_new_tokens
-
-
-def start_branches(
-    artifact: str | Path | Artifact,
-    prompt: str | Sequence[int],
-    n: int,
-    max_new_tokens: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    chat: bool | None = None,
-    speculative: bool | str | None = None,
-) -> MultiGeneration:
-    """Check a parallel-sampling request (everything before any work) and set it up."""
+    sampling: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop (as generate()).
+    """
     check_int("n", n, 1)
-    params, stop = _sampling(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
-    if n > 1 and not params.do_sample:
+    d = decoding(**sampling)
+    if n > 1 and not d.params.do_sample:
         raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
                          "n samples, or use beam_search() for the n best sequences")
     if speculative not in (None, False):
@@ -176,31 +153,21 @@ def start_branches(
                          "call instead: leave speculative unset (or False)")
     check_optional_bool("chat", chat)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-    ids, max_new = encode_prompt(art, prompt, chat), _max_new(art, max_new_tokens)
+    ids, max_new = encode_prompt(art, prompt, chat), d.new_tokens(art)
     check_capacity(art, len(ids), [0] * n, max_new, "branches")
-    return MultiGeneration(art, ids, [], n, max_new, params, seed, stop)
+    return MultiGeneration(art, ids, [], n, max_new, d)
 
 
-def start_multi(
-    artifact: str | Path | Artifact,
-    context: str | Sequence[int] | None,
-    questions: Sequence[str | Sequence[int]],
-    max_new_tokens: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-) -> MultiGeneration:
+def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
+                questions: Sequence[str | Sequence[int]], **sampling) -> MultiGeneration:
     """Check a several-questions request and set it up: the context (if any) is prefilled once."""
     if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
         raise TypeError(f"questions must be a list of strings or token-id lists, got {type(questions).__name__}")
     if not questions:
         raise ValueError("questions is empty: give at least one question")
-    params, stop = _sampling(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
+    d = decoding(**sampling)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-    max_new = _max_new(art, max_new_tokens)
+    max_new = d.new_tokens(art)
     if context is None or (isinstance(context, str) and not context):
         shared, chains = [], [encode_prompt(art, q, chat=False) for q in questions]
     else:
@@ -208,7 +175,7 @@ def start_multi(
         chains = [_continuation_ids(art, q, i) for i, q in enumerate(questions)]
         encode_prompt(art, shared + max(chains, key=len), chat=False)  # the longest context + question fits
     check_capacity(art, len(shared), [len(c) for c in chains], max_new, "questions")
-    return MultiGeneration(art, shared, chains, len(chains), max_new, params, seed, stop)
+    return MultiGeneration(art, shared, chains, len(chains), max_new, d)
 
 
 def _continuation_ids(art: Artifact, question: str | Sequence[int], i: int) -> list[int]:

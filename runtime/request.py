@@ -6,12 +6,14 @@ Everything is validated before any model work, so bad input fails fast and chang
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from numbers import Integral
 
 import numpy as np
 
 from common.recipe import SPECULATION_METHODS, LookaheadSettings, PromptLookupSettings, settings_from
 from runtime.artifact import Artifact
+from runtime.sampling import SamplingParams
 
 
 class PromptTooLongError(ValueError):
@@ -112,3 +114,28 @@ def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None 
             "token); shorten the prompt or export with a longer context_length"
         )
     return ids
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The decoding keywords every entry point takes, checked."""
+
+    params: SamplingParams
+    max_new_tokens: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+
+    def new_tokens(self, art: Artifact) -> int:
+        """max_new_tokens, or the recipe's default."""
+        return int(art.manifest.recipe.get("max_new_tokens", 128)) if self.max_new_tokens is None \
+            else self.max_new_tokens
+
+
+def decoding(max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Decoding:
+    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+    if max_new_tokens is not None:
+        check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        check_int("seed", seed, 0)
+    return Decoding(params, max_new_tokens, seed, stop_strings(stop))

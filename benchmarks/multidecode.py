@@ -9,7 +9,9 @@ benchmarks.decode), TLM-only artifacts built once and cached:
   (rows_per_call=1) and against transformers' generate(num_beams=4) on the same checkpoint (fp32);
 - four questions over one context: generate_multi against four generate(context + question).
 Tokens/s are new tokens summed over the sequences, over wall time (prefill included). The
-"same" column says whether the outputs equal the one-by-one outputs token for token.
+"same" column counts the sequences equal token for token to the one-by-one (or transformers')
+ones; the fp32 logits of different graph sizes differ by ~1e-6, so a sampled draw that lands
+within that of a CDF boundary (or a beam near-tie) can differ, and MXFP6 fused differs more.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def row(name: str, task: str, tokens_multi: int, t_multi: float, tokens_seq: int, t_seq: float, same: bool) -> None:
+def row(name: str, task: str, tokens_multi: int, t_multi: float, tokens_seq: int, t_seq: float,
+        ours: list[list[int]], theirs: list[list[int]]) -> None:
     multi, seq = tokens_multi / t_multi, tokens_seq / t_seq
-    print(f"| {name} | {task} | {multi:.1f} | {seq:.1f} | {multi / seq:.2f}x | {'yes' if same else 'no'} |",
-          flush=True)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    print(f"| {name} | {task} | {multi:.1f} | {seq:.1f} | {multi / seq:.2f}x | {same}/{len(ours)} |", flush=True)
 
 
 def bench(name: str, art: runtime.Artifact, ref: str | None, new: int) -> None:
@@ -76,25 +79,24 @@ def bench(name: str, art: runtime.Artifact, ref: str | None, new: int) -> None:
                                                         max_new_tokens=new))
         singles, t_seq = timed(lambda n=n: [runtime.generate(art, prompt, do_sample=True, seed=i, max_new_tokens=new,
                                                              speculative=False) for i in range(n)])
-        same = [b.token_ids for b in r.branches] == [s.token_ids for s in singles]
         row(name, f"parallel sampling n={n}", r.metrics.new_tokens, t_multi, sum(len(s.token_ids) for s in singles),
-            t_seq, same)
+            t_seq, [b.token_ids for b in r.branches], [s.token_ids for s in singles])
     beams, t_multi = timed(lambda: runtime.beam_search(art, prompt, num_beams=4, max_new_tokens=new))
     one, t_one = timed(lambda: runtime.beam_search(art, prompt, num_beams=4, max_new_tokens=new, rows_per_call=1))
     tokens = len(beams.sequences[0].token_ids)
     row(name, "beam search B=4 (vs one call per beam)", tokens, t_multi, len(one.sequences[0].token_ids), t_one,
-        beams.sequences[0].token_ids == one.sequences[0].token_ids)
+        [beams.sequences[0].token_ids], [one.sequences[0].token_ids])
     if ref is not None:
         model = AutoModelForCausalLM.from_pretrained(ref).eval()
         model.generation_config.eos_token_id = None
         with torch.no_grad():
-            ids = torch.tensor([prompt])
-            model.generate(ids, num_beams=4, do_sample=False, max_new_tokens=4, pad_token_id=0)  # warm up
-            out, t_hf = timed(lambda: model.generate(ids, num_beams=4, do_sample=False, max_new_tokens=new,
-                                                     pad_token_id=0))
+            kw = dict(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      num_beams=4, do_sample=False, pad_token_id=0)
+            model.generate(max_new_tokens=4, **kw)  # warm up
+            out, t_hf = timed(lambda: model.generate(max_new_tokens=new, **kw))
         hf = out[0, len(prompt):].tolist()
         row(name, "beam search B=4 (vs transformers)", tokens, t_multi, len(hf), t_hf,
-            beams.sequences[0].token_ids == hf)
+            [beams.sequences[0].token_ids], [hf])
     context = art.tokenizer(CONTEXT)["input_ids"] if name != "220m" else [0, *range(400, 460)]
     questions = QUESTIONS if name != "220m" else [list(range(500 + 10 * i, 506 + 10 * i)) for i in range(4)]
     r, t_multi = timed(lambda: runtime.generate_multi(art, context, questions, max_new_tokens=new))
@@ -103,8 +105,7 @@ def bench(name: str, art: runtime.Artifact, ref: str | None, new: int) -> None:
     singles, t_seq = timed(lambda: [runtime.generate(art, context + q, max_new_tokens=new, speculative=False)
                                     for q in q_ids])
     row(name, "4 questions over one context", r.metrics.new_tokens, t_multi,
-        sum(len(s.token_ids) for s in singles), t_seq,
-        [b.token_ids for b in r.branches] == [s.token_ids for s in singles])
+        sum(len(s.token_ids) for s in singles), t_seq, [b.token_ids for b in r.branches], [s.token_ids for s in singles])
 
 
 def main() -> None:

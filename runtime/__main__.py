@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     md = p.add_argument_group("MultiDecode: several sequences in one call per step (the prompt is prefilled once)")
     md.add_argument("--n", type=int, help="parallel sampling: N completions (with --sample; branch i uses seed + i)")
     md.add_argument("--beams", type=int, help="beam search with this many beams (as transformers' num_beams)")
-    md.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
-    md.add_argument("--num-return", type=int, default=1, help="beam search: how many best sequences to print")
+    md.add_argument("--length-penalty", type=float, help="beam search length penalty (default 1.0)")
+    md.add_argument("--num-return", type=int, help="beam search: how many best sequences to print (default 1)")
     md.add_argument("--question", action="append",
                     help="a question over the prompt (repeat it): all answers decode together")
     args = p.parse_args(argv)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         art = load_artifact(args.artifact)
         prompts = art.manifest.recipe.get("prompts") or ["def main():\n"]
         prompt = args.prompt if args.prompt is not None else prompts[0]
-        if args.n is not None or args.beams is not None or args.question:
+        if any(x is not None for x in (args.n, args.beams, args.question, args.length_penalty, args.num_return)):
             return _multi(art, prompt, args)
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative,
@@ -87,11 +87,16 @@ def _multi(art, prompt: str, args: argparse.Namespace) -> int:
 
     if sum(x is not None and x != [] for x in (args.n, args.beams, args.question)) > 1:
         raise ValueError("choose one of --n, --beams and --question")
+    if args.beams is not None and (args.sample or args.seed is not None or args.speculative):
+        raise ValueError("--beams is deterministic beam search: drop --sample/--seed/--speculative")
+    if args.beams is None and (args.length_penalty is not None or args.num_return is not None):
+        raise ValueError("--length-penalty and --num-return apply to --beams only")
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.beams is not None:
         r = beam_search(art, prompt, num_beams=args.beams, max_new_tokens=args.max_new_tokens,
-                        length_penalty=args.length_penalty, num_return_sequences=args.num_return)
+                        length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                        num_return_sequences=args.num_return or 1)
         for i, s in enumerate(r.sequences):
             print(f"=== beam {i} | score {s.score:.4f} | {s.finish_reason} ===\n{prompt}{s.text}\n")
     else:

@@ -30,8 +30,11 @@ class Forest:
     def __init__(self, runner: ModelRunner, max_rows: int | None = None) -> None:
         """`max_rows` caps the rows per call (default: the largest graph's T); more rows are split
         into several calls per step, each seeing only the cache and its own branch's rows."""
+        largest = max(g.tokens for g in runner.graphs.values())
+        if max_rows is not None and not 1 <= max_rows <= largest:
+            raise ValueError(f"rows per call must lie in [1, {largest}] (the largest compiled graph), got {max_rows}")
         self.runner = runner
-        self.max_rows = max_rows or max(g.tokens for g in runner.graphs.values())
+        self.max_rows = max_rows or largest
         self.live: list[Branch] = []
         runner.rewind(0)
 
@@ -41,6 +44,8 @@ class Forest:
         view = np.zeros(self.runner.context, dtype=bool)
         logits = None
         if prompt is not None and len(prompt):
+            if self.live:
+                raise ValueError("a prompt is prefilled into slots 0..: only before any other branch exists")
             self.runner.rewind(0)
             logits = self.runner.prefill(prompt).copy()
             view[: len(prompt)] = True
@@ -74,6 +79,8 @@ class Forest:
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or not chains:
             raise ValueError(f"extend needs one chain per branch, got {len(branches)} branches, {len(chains)} chains")
+        if len({id(b) for b in branches}) < len(branches) or any(b not in self.live for b in branches):
+            raise ValueError("extend needs distinct, live branches (fork a branch to extend it twice)")
         if (lengths < 1).any():
             raise ValueError("every chain needs at least one token")
         owner = np.repeat(np.arange(len(chains)), lengths)

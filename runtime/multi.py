@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import Branch, CapacityError, Forest
-from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt
+from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
 from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
 from runtime.sampling import next_token
 
@@ -100,9 +100,8 @@ class MultiGeneration:
             for row, i in enumerate(live):
                 ids[i].append(next_token(logits[row], self.params, rngs[i]))
                 yield i, ids[i][-1]
+                # (the capacity check leaves room for every branch's max_new_tokens: the context never fills)
                 finish[i] = finish_reason(self.art, ids[i], self.stop, self.max_new_tokens)
-                if finish[i] is None and branches[i].length >= tlm.context:
-                    finish[i] = "length"  # as a single sequence stops when the context is full
                 if finish[i]:
                     forest.release(branches[i])
                     ended[i] = time.perf_counter() - start
@@ -168,8 +167,8 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
     d = decoding(**sampling)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     max_new = d.new_tokens(art)
-    if context is None or (isinstance(context, str) and not context):
-        shared, chains = [], [encode_prompt(art, q, chat=False) for q in questions]
+    if context is None or len(context) == 0:
+        shared, chains = [], [encode_prompt(art, q) for q in questions]
     else:
         shared = encode_prompt(art, context, chat=False)
         chains = [_continuation_ids(art, q, i) for i, q in enumerate(questions)]
@@ -181,7 +180,7 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
 def _continuation_ids(art: Artifact, question: str | Sequence[int], i: int) -> list[int]:
     """A question that follows the context: its tokens without special tokens (no second BOS)."""
     ids = art.tokenizer(question, add_special_tokens=False)["input_ids"] if isinstance(question, str) \
-        else list(question)
+        else token_ids(question)
     if not ids:
         raise ValueError(f"question {i} is empty")
     return encode_prompt(art, ids, chat=False)  # token ids checked
@@ -200,9 +199,9 @@ def generate_multi(artifact: str | Path | Artifact, context: str | Sequence[int]
 
     The context is prefilled once; each question sees the context and itself, never another
     question. Answer i equals a separate `generate(art, context_ids + question_ids)` (greedy), where
-    a text question is tokenized on its own, without special tokens. context=None: the questions
-    are unrelated prompts (each encoded as generate() would). Keywords: max_new_tokens, do_sample,
-    temperature, top_k, top_p, seed (answer i uses seed + i), stop.
+    a text question is tokenized on its own, without special tokens (and no chat template).
+    context=None (or empty): the questions are unrelated prompts, each encoded as generate() would.
+    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed (answer i uses seed + i), stop.
     """
     return collect(start_multi(artifact, context, questions, **kwargs))
 

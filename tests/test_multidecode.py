@@ -76,12 +76,13 @@ def test_every_branch_equals_a_chain_forward_under_churn(art, max_rows):
     forest = Forest(art.tlm, max_rows=max_rows)
     root, _ = forest.root(np.array(PROMPT))
     tokens = {id(root): list(PROMPT)}
+    nodes = {id(root): list(range(len(PROMPT)))}  # one id per token written: what the cache must keep
     branches, written = [root], 0
     for _ in range(200):
         if len(branches) < 6 and rng.random() < 0.5:
             parent = branches[rng.integers(len(branches))]
             child = forest.fork(parent)
-            tokens[id(child)] = list(tokens[id(parent)])
+            tokens[id(child)], nodes[id(child)] = list(tokens[id(parent)]), list(nodes[id(parent)])
             branches.append(child)
         old = [b for b in branches if b.length > 30] + ([branches[0]] if len(branches) > 3 else [])
         for b in {id(b): b for b in old}.values():
@@ -89,18 +90,19 @@ def test_every_branch_equals_a_chain_forward_under_churn(art, max_rows):
             branches.remove(b)
         if not branches:  # a fresh sequence from an empty cache view
             b, _ = forest.root()
-            tokens[id(b)] = []
+            tokens[id(b)], nodes[id(b)] = [], []
             branches.append(b)
         chosen = [b for b in branches if rng.random() < 0.7] or branches[:1]
         chains = [rng.integers(4, 250, rng.integers(1, 4)).tolist() for _ in chosen]
         logits = forest.extend(chosen, chains)
-        written += sum(map(len, chains))
         for b, chain, row in zip(chosen, chains, logits, strict=True):
             tokens[id(b)] += chain
+            nodes[id(b)] += list(range(len(PROMPT) + written, len(PROMPT) + written + len(chain)))
+            written += len(chain)
             assert b.length == len(tokens[id(b)])
             np.testing.assert_allclose(row, _chain(ref, tokens[id(b)]), atol=2e-4, rtol=1e-4)
-        live_tokens = {s for b in branches for s in np.flatnonzero(b.view)}
-        assert forest.free_slots() == art.manifest.context_length - len(live_tokens)
+        kept = {n for b in branches for n in nodes[id(b)]}  # shared prefixes once, released branches' own gone
+        assert forest.free_slots() == art.manifest.context_length - len(kept)
     assert written > 3 * art.manifest.context_length  # slots were freed and reused many times over
 
 
@@ -245,12 +247,53 @@ def test_beam_search_equals_transformers(art, checkpoints, kw):
         for eos in (best[2], best[len(best) // 2]):  # EOS inside the horizon: hypotheses finish early
             art.eos_token_ids = frozenset({eos})
             model.generation_config.eos_token_id = eos
-            r = _assert_beams_equal(art, model, PROMPT, kw)
-            # the old best hypothesis holds EOS inside it, so it cannot be returned any more
-            assert r.sequences[0].token_ids != best[: len(r.sequences[0].token_ids)] or \
-                r.sequences[0].finish_reason == "eos"
+            _assert_beams_equal(art, model, PROMPT, kw)
     finally:
         art.eos_token_ids = saved
+
+
+def test_beam_search_with_two_eos_ids_keeps_three_candidates_per_beam(art, checkpoints):
+    model, saved = _hf(checkpoints["llama-gqa"]), art.eos_token_ids
+    try:
+        art.eos_token_ids = frozenset()
+        best = runtime.beam_search(art, PROMPT, num_beams=3, max_new_tokens=20).sequences[0].token_ids
+        eos = sorted({best[3], best[9]})
+        art.eos_token_ids, model.generation_config.eos_token_id = frozenset(eos), eos
+        r = _assert_beams_equal(art, model, PROMPT, dict(num_beams=3, max_new_tokens=20, num_return_sequences=3))
+        assert any(s.finish_reason == "eos" for s in r.sequences)
+    finally:
+        art.eos_token_ids = saved
+
+
+def test_stop_strings_and_sampled_questions_follow_the_single_runs(no_eos):
+    art = no_eos
+    text = _single(art, PROMPT, do_sample=True, seed=21, max_new_tokens=30).text
+    stop = text[len(text) // 2]  # one character that the seed-21 branch produces mid-way
+    r = runtime.generate(art, PROMPT, n=3, do_sample=True, seed=20, max_new_tokens=30, stop=[stop])
+    assert r.branches[1].finish_reason == "stop"
+    for i, b in enumerate(r.branches):
+        alone = _single(art, PROMPT, do_sample=True, seed=20 + i, max_new_tokens=30, stop=[stop])
+        assert (b.token_ids, b.finish_reason) == (alone.token_ids, alone.finish_reason)
+    context, questions = [0, *range(40, 50)], [[70, 71], [80]]
+    m = runtime.generate_multi(art, context, questions, max_new_tokens=15, do_sample=True, seed=5, top_k=30)
+    for i, (q, b) in enumerate(zip(questions, m.branches, strict=True)):
+        alone = _single(art, context + q, do_sample=True, seed=5 + i, top_k=30, max_new_tokens=15)
+        assert b.token_ids == alone.token_ids
+
+
+def test_forest_misuse_is_refused(art):
+    forest = Forest(art.tlm)
+    root, _ = forest.root(np.array(PROMPT))
+    child = forest.fork(root)
+    with pytest.raises(ValueError, match="distinct, live"):
+        forest.extend([child, child], [[5], [6]])
+    forest.release(child)
+    with pytest.raises(ValueError, match="distinct, live"):
+        forest.extend([child], [[5]])
+    with pytest.raises(ValueError, match="before any other branch"):
+        forest.root(np.array(PROMPT))
+    with pytest.raises(ValueError, match="rows per call"):
+        Forest(art.tlm, max_rows=999)
 
 
 def test_beam_search_on_the_default_pair_equals_transformers(default_pair):
@@ -286,6 +329,9 @@ def test_beam_search_with_mx_runs_and_shares_prefixes(mx):
     (lambda a: runtime.generate_multi(a, PROMPT, [[5], []], max_new_tokens=4), "question 1 is empty"),
     (lambda a: runtime.generate_multi(a, PROMPT, [[5], [9999]], max_new_tokens=4), r"\[0, 260\)"),
     (lambda a: runtime.generate_multi(a, PROMPT, [[5]] * 8, max_new_tokens=20), "8 questions"),
+    (lambda a: runtime.generate_multi(a, PROMPT, [b"ab"], max_new_tokens=4), "string or a sequence of token ids"),
+    (lambda a: runtime.generate_multi(a, PROMPT, [5], max_new_tokens=4), "string or a sequence of token ids"),
+    (lambda a: runtime.beam_search(a, PROMPT, num_beams=2, rows_per_call=999), "rows per call"),
 ])
 def test_bad_requests_are_refused_before_any_work(art, call, word):
     calls = art.tlm.calls
@@ -317,3 +363,7 @@ def test_cli_runs_parallel_sampling_beams_and_questions(no_eos, capsys):
     assert "choose one of" in capsys.readouterr().err
     assert main([path, "--prompt", "ab", "--n", "2"]) == 2
     assert "do_sample=True" in capsys.readouterr().err
+    assert main([path, "--prompt", "ab", "--beams", "2", "--sample"]) == 2
+    assert "deterministic" in capsys.readouterr().err
+    assert main([path, "--prompt", "ab", "--num-return", "2"]) == 2
+    assert "apply to --beams only" in capsys.readouterr().err

@@ -33,26 +33,32 @@ class Artifact:
     policies: dict[tuple, DraftPolicy] = field(default_factory=dict, repr=False)  # adaptive, per method
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)
+    _holder: str | None = field(default=None, repr=False)
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self, holder: str = "generation") -> Iterator[None]:
         """Hold the artifact's runners for one generation: their caches are the generation's state.
 
         Another thread waits its turn; a second live generation in the same thread (e.g. two
-        interleaved stream() iterators) would corrupt the first, so it is refused instead.
+        interleaved stream() iterators) would corrupt the first, so it is refused instead. While a
+        scheduler (holder "scheduler") serves the artifact, it holds the runners for good: other
+        generations are refused at once rather than waiting forever.
         """
         me = threading.get_ident()
+        if self._holder == "scheduler" and self._owner != me:
+            raise ArtifactBusyError(f"artifact {self.path} is served by a scheduler (runtime.serve): send "
+                                    "requests to it, or load the artifact a second time for direct use")
         if self._owner == me:
             raise ArtifactBusyError(
                 f"artifact {self.path} is in use by another generation in this thread (an unfinished "
                 "stream() iterator?): finish or close() it first, or load the artifact once per stream"
             )
         with self._lock:
-            self._owner = me
+            self._owner, self._holder = me, holder
             try:
                 yield
             finally:
-                self._owner = None
+                self._owner, self._holder = None, None
 
     @property
     def tlm(self) -> ModelRunner:

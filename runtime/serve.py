@@ -1,0 +1,271 @@
+"""`python -m runtime.serve ARTIFACT`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Every request becomes one sequence of the scheduler's forest (runtime/scheduler.py), so
+concurrent requests share each TLM call (continuous batching). Routes: POST /v1/completions,
+POST /v1/chat/completions (streaming as server-sent events ending in `data: [DONE]`, or not),
+GET /v1/models, /health, /metrics (Prometheus text). Errors are OpenAI-style JSON bodies: 400 for
+bad input, 429 with Retry-After when the queue is full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.artifact import Artifact, load_artifact
+from runtime.forest import CapacityError
+from runtime.request import decoding, encode_prompt
+from runtime.results import TextPieces
+from runtime.scheduler import Event, QueueFullError, Scheduler
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's finish_reason
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients may send fields we do not use
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)  # 0: greedy, as OpenAI's API means it
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extension
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+
+
+class Message(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
+           ) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status, headers)
+
+
+def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> FastAPI:
+    name = name or art.manifest.name
+    scheduler = Scheduler(art, max_queue=max_queue)
+    app = FastAPI(title="mxspd", lifespan=None)
+    app.state.scheduler = scheduler
+    started = time.time()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or "body"
+        return _error(400, f"{where}: {first.get('msg')}")
+
+    @app.exception_handler(BadRequest)
+    async def bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(QueueFullError)
+    async def busy(_: Request, exc: QueueFullError) -> JSONResponse:
+        return _error(429, str(exc), "rate_limit_error", {"Retry-After": "1"})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(started),
+                                            "owned_by": "mxspd"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        s = scheduler.stats
+        counters = dict(requests_total="requests", requests_finished_total="finished",
+                        requests_cancelled_total="cancelled", requests_rejected_total="rejected",
+                        generated_tokens_total="tokens", steps_total="steps", tlm_calls_total="calls")
+        lines = [f"mxspd_{key} {s[stat]}" for key, stat in counters.items()] + [
+            f"mxspd_tokens_per_second {s['tokens'] / s['busy_s'] if s['busy_s'] else 0.0:.3f}",
+            f"mxspd_queue_depth {len(scheduler.waiting)}", f"mxspd_batch_occupancy {len(scheduler.live)}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body, name)
+        return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(body, name)
+        if not art.tokenizer.chat_template:
+            raise BadRequest(f"model {name!r} has no chat template: use /v1/completions")
+        ids = list(art.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=True,
+                                                     add_generation_prompt=True, return_dict=False))
+        return await _serve(art, scheduler, body, encode(art, ids), "chat.completion", request)
+
+    return app
+
+
+def _check_model(body: Sampling, name: str) -> None:
+    if body.model is not None and body.model != name:
+        raise BadRequest(f"unknown model {body.model!r}; this server serves {name!r}")
+
+
+def encode(art: Artifact, prompt: str | list[int]) -> list[int]:
+    try:
+        return encode_prompt(art, prompt, chat=False)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(str(exc)) from None
+
+
+async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[int], kind: str, request: Request):
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+        decodings = [decoding(max_new_tokens=body.max_tokens, do_sample=body.temperature > 0,
+                              temperature=body.temperature or 1.0, top_k=body.top_k, top_p=body.top_p, seed=s,
+                              stop=stops) for s in seeds]
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(str(exc)) from None
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[Event]] = [asyncio.Queue() for _ in decodings]
+    reqs = []
+    try:
+        for d, q in zip(decodings, queues, strict=True):
+            reqs.append(scheduler.submit(ids, d, lambda e, q=q: loop.call_soon_threadsafe(q.put_nowait, e)))
+    except (CapacityError, QueueFullError) as exc:
+        for r in reqs:
+            scheduler.cancel(r)
+        if isinstance(exc, QueueFullError):
+            raise
+        raise BadRequest(str(exc)) from None
+    meta = dict(id=f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                model=body.model or art.manifest.name)
+    outputs = [_Output(art, stops) for _ in reqs]
+    if body.stream:
+        return StreamingResponse(_stream(scheduler, reqs, queues, outputs, kind, meta, request),
+                                 media_type="text/event-stream")
+    try:
+        for q, out in zip(queues, outputs, strict=True):
+            while (event := await q.get()).finish is None:
+                out.add(event.token)
+            out.end(event)
+    except asyncio.CancelledError:
+        for r in reqs:
+            scheduler.cancel(r)
+        raise
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        return _error(500, errors[0], "server_error")
+    choices = [_choice(kind, i, o.text, o.finish) for i, o in enumerate(outputs)]
+    completion = sum(len(o.tokens) for o in outputs)
+    return {"object": kind, **meta, "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                      "total_tokens": len(ids) + completion}}
+
+
+class _Output:
+    """One choice's text as it grows: stop strings cut (and never shown), pieces held back while
+    they could still be the start of a stop string."""
+
+    def __init__(self, art: Artifact, stops: list[str]) -> None:
+        self.pieces, self.stops = TextPieces(art.tokenizer), stops
+        self.tokens: list[int] = []
+        self.text, self.sent, self.finish, self.error = "", 0, None, None
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if (piece := self.pieces.add(token)) is not None:
+            self.text += piece
+
+    def end(self, event: Event) -> None:
+        self.finish, self.error = FINISH.get(event.finish, event.finish), event.error
+        self.text = self.pieces.tokenizer.decode(self.tokens, skip_special_tokens=True)  # with a trailing partial
+        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.text = self.text[: min(cuts)]
+
+    def new_text(self) -> str:
+        """Text not sent yet that can no longer turn into a stop string."""
+        hold = 0 if self.finish else max((len(s) - 1 for s in self.stops), default=0)
+        cuts = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        end = min(cuts) if cuts else max(self.sent, len(self.text) - hold)
+        piece, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return piece
+
+
+def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = False) -> dict:
+    if kind == "chat.completion":
+        key = "delta" if delta else "message"
+        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+
+async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list, kind: str, meta: dict,
+                  request: Request) -> AsyncIterator[str]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+    pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                event, out = fut.result(), outputs[i]
+                if event.finish is None:
+                    out.add(event.token)
+                    pending[asyncio.ensure_future(queues[i].get())] = i
+                else:
+                    out.end(event)
+                if event.error:
+                    payload = {"error": {"message": event.error, "type": "server_error"}}
+                    yield f"data: {json.dumps(payload)}\n\n"
+                    continue
+                text = out.new_text()
+                if text or out.finish:
+                    choice = _choice(kind, i, text, out.finish, delta=True)
+                    yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # a client that went away: free its sequences at the next step
+        for fut in pending:
+            fut.cancel()
+        for r, out in zip(reqs, outputs, strict=True):
+            if out.finish is None:
+                scheduler.cancel(r)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__)
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+    args = p.parse_args(argv)
+    app = create_app(load_artifact(args.artifact), args.model_name, args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

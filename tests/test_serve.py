@@ -1,0 +1,196 @@
+"""The OpenAI-compatible server: routes, streaming, the openai client, batching, bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+import runtime
+from runtime import ArtifactBusyError
+from runtime.serve import create_app
+
+PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, *range(100, 130)], [0, 77, 78], [0, 200, 201, 202]]
+
+
+@pytest.fixture(scope="module")
+def reference(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    return art
+
+
+@pytest.fixture(scope="module")
+def served(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)  # the server's own: its scheduler holds the runners
+    art.eos_token_ids = frozenset()
+    art.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    app = create_app(art, name="tiny")
+    with TestClient(app) as client:
+        yield art, client
+
+
+def _greedy(reference, prompt, n):
+    return runtime.generate(reference, prompt, max_new_tokens=n, speculative=False)
+
+
+def test_routes_and_a_greedy_completion_equal_to_generate(served, reference):
+    art, client = served
+    assert client.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12,
+                                             "temperature": 0}).json()
+    assert r["object"] == "text_completion" and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["text"] == _greedy(reference, PROMPTS[1], 12).text
+    assert r["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 12, "total_tokens": 33}
+    metrics = client.get("/metrics").text
+    assert "mxspd_generated_tokens_total" in metrics and "mxspd_queue_depth 0" in metrics
+
+
+def test_streaming_sends_the_same_text_and_ends_with_done(served, reference):
+    _, client = served
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 15, "temperature": 0,
+                                                        "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == _greedy(reference, PROMPTS[0], 15).text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings_are_cut_from_the_text(served, reference):
+    _, client = served
+    full = _greedy(reference, PROMPTS[3], 20).text
+    stop = full[8:10]
+    for stream in (False, True):
+        body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0, "stop": [stop], "stream": stream}
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x and x != "data: [DONE]"]
+            text, finish = "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            text, finish = choice["text"], choice["finish_reason"]
+        assert text == full[: full.index(stop)] and finish == "stop"
+
+
+def test_concurrent_requests_share_calls_and_equal_sequential_runs(served, reference):
+    art, client = served
+    calls, steps = art.tlm.calls, None
+
+    def post(prompt):
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(post, PROMPTS))
+    assert texts == [_greedy(reference, p, 16).text for p in PROMPTS]
+    steps = art.tlm.calls - calls
+    assert steps < len(PROMPTS) * 16  # fewer calls than tokens: requests shared them
+
+
+def test_sampled_choices_follow_their_seeds(served, reference):
+    _, client = served
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.8,
+                                             "top_k": 50, "seed": 3, "n": 2}).json()
+    for i, choice in enumerate(r["choices"]):
+        alone = runtime.generate(reference, PROMPTS[2], max_new_tokens=10, do_sample=True, temperature=0.8,
+                                 top_k=50, seed=3 + i, speculative=False)
+        assert choice["index"] == i and choice["text"] == alone.text
+
+
+def test_chat_completions_use_the_chat_template(served, reference):
+    _, client = served
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}],
+                                                  "max_tokens": 8, "temperature": 0}).json()
+    ids = reference.tokenizer("abc")["input_ids"]
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    assert r["choices"][0]["message"]["content"] == _greedy(reference, ids, 8).text
+
+
+@pytest.mark.parametrize("body, word", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "model": "gpt-4"}, "unknown model"),
+    ({"prompt": [0] * 200}, "context length"),
+    ({"prompt": [0, 5], "max_tokens": 500}, "cache holds"),
+    ({"prompt": [0, 99999]}, "token ids must lie"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "x", "stop": [""]}, "empty stop string"),
+    ({}, "prompt"),
+])
+def test_bad_requests_get_a_400_with_an_openai_error_body(served, body, word):
+    _, client = served
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and word in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_malformed_json_is_a_400(served):
+    r = served[1].post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_a_full_queue_is_a_429_with_retry_after(artifact_dir):
+    app = create_app(runtime.load_artifact(artifact_dir), max_queue=0)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_served_artifact_refuses_direct_generation(served):
+    art, _ = served
+    with pytest.raises(ArtifactBusyError, match="served by a scheduler"):
+        runtime.generate(art, [0, 5], max_new_tokens=2)
+
+
+def test_the_openai_client_works_unchanged(artifact_dir, reference):
+    openai = pytest.importorskip("openai")
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    server = uvicorn.Server(uvicorn.Config(create_app(art, name="tiny"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        r = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0)
+        expected = _greedy(reference, reference.tokenizer("abc")["input_ids"], 10).text
+        assert r.choices[0].text == expected and r.usage.completion_tokens == 10
+        pieces = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0, stream=True)
+        assert "".join(p.choices[0].text for p in pieces) == expected
+        with pytest.raises(openai.BadRequestError, match="unknown model"):
+            client.completions.create(model="nope", prompt="abc", max_tokens=2)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_client_that_goes_away_frees_its_sequence(served):
+    art, client = served
+    scheduler = client.app.state.scheduler
+    finished, cancelled = scheduler.stats["finished"], scheduler.stats["cancelled"]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0,
+                                                        "stream": True}) as r:
+        next(r.iter_lines())  # the first chunk, then hang up
+    deadline = time.time() + 10
+    while (scheduler.live or scheduler.stats["finished"] == finished) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not scheduler.live and scheduler.stats["finished"] == finished + 1
+    assert scheduler.stats["cancelled"] == cancelled + 1  # hung up, not run to its 90 tokens
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

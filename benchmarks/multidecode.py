@@ -105,7 +105,8 @@ def bench(name: str, art: runtime.Artifact, ref: str | None, new: int) -> None:
     singles, t_seq = timed(lambda: [runtime.generate(art, context + q, max_new_tokens=new, speculative=False)
                                     for q in q_ids])
     row(name, "4 questions over one context", r.metrics.new_tokens, t_multi,
-        sum(len(s.token_ids) for s in singles), t_seq, [b.token_ids for b in r.branches], [s.token_ids for s in singles])
+        sum(len(s.token_ids) for s in singles), t_seq, [b.token_ids for b in r.branches],
+        [s.token_ids for s in singles])
 
 
 def main() -> None:

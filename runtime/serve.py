@@ -42,6 +42,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with usage, as OpenAI sends
 
 
 class CompletionRequest(Sampling):
@@ -109,18 +110,18 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> F
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         _check_model(body, name)
-        return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion", request)
+        return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(body: ChatRequest):
         _check_model(body, name)
         if not art.tokenizer.chat_template:
             raise BadRequest(f"model {name!r} has no chat template: use /v1/completions")
         ids = list(art.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=True,
                                                      add_generation_prompt=True, return_dict=False))
-        return await _serve(art, scheduler, body, encode(art, ids), "chat.completion", request)
+        return await _serve(art, scheduler, body, encode(art, ids), "chat.completion")
 
     return app
 
@@ -137,7 +138,7 @@ def encode(art: Artifact, prompt: str | list[int]) -> list[int]:
         raise BadRequest(str(exc)) from None
 
 
-async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[int], kind: str, request: Request):
+async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[int], kind: str):
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
@@ -162,7 +163,8 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
                 model=body.model or art.manifest.name)
     outputs = [_Output(art, stops) for _ in reqs]
     if body.stream:
-        return StreamingResponse(_stream(scheduler, reqs, queues, outputs, kind, meta, request),
+        usage = len(ids) if (body.stream_options or {}).get("include_usage") else None
+        return StreamingResponse(_stream(scheduler, reqs, queues, outputs, kind, meta, usage),
                                  media_type="text/event-stream")
     try:
         for q, out in zip(queues, outputs, strict=True):
@@ -221,7 +223,8 @@ def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = 
 
 
 async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list, kind: str, meta: dict,
-                  request: Request) -> AsyncIterator[str]:
+                  usage_prompt: int | None) -> AsyncIterator[str]:
+    """Chunks as the choices grow; with usage_prompt (the prompt's tokens), a last chunk with usage."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
     pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
     try:
@@ -243,6 +246,11 @@ async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list,
                 if text or out.finish:
                     choice = _choice(kind, i, text, out.finish, delta=True)
                     yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n"
+        if usage_prompt is not None:
+            completion = sum(len(o.tokens) for o in outputs)
+            usage = {"prompt_tokens": usage_prompt, "completion_tokens": completion,
+                     "total_tokens": usage_prompt + completion}
+            yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a client that went away: free its sequences at the next step
         for fut in pending:

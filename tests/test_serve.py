@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
 import runtime
+from recipes.default_pair import byte_tokenizer
 from runtime import ArtifactBusyError
-from runtime.serve import create_app
+from runtime.request import decoding
+from runtime.scheduler import Event, Scheduler
+from runtime.serve import _Output, _stream, create_app
 
 PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, *range(100, 130)], [0, 77, 78], [0, 200, 201, 202]]
 
@@ -55,12 +60,14 @@ def test_routes_and_a_greedy_completion_equal_to_generate(served, reference):
 def test_streaming_sends_the_same_text_and_ends_with_done(served, reference):
     _, client = served
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 15, "temperature": 0,
-                                                        "stream": True}) as r:
+                                                        "stream": True, "stream_options": {"include_usage": True}},
+                       ) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    *chunks, usage = [json.loads(line[6:]) for line in lines[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == _greedy(reference, PROMPTS[0], 15).text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 15
 
 
 def test_stop_strings_are_cut_from_the_text(served, reference):
@@ -181,16 +188,48 @@ def test_the_openai_client_works_unchanged(artifact_dir, reference):
         thread.join(10)
 
 
-def test_a_client_that_goes_away_frees_its_sequence(served):
-    art, client = served
-    scheduler = client.app.state.scheduler
-    finished, cancelled = scheduler.stats["finished"], scheduler.stats["cancelled"]
-    with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 90, "temperature": 0,
-                                                        "stream": True}) as r:
-        next(r.iter_lines())  # the first chunk, then hang up
-    deadline = time.time() + 10
-    while (scheduler.live or scheduler.stats["finished"] == finished) and time.time() < deadline:
-        time.sleep(0.01)
-    assert not scheduler.live and scheduler.stats["finished"] == finished + 1
-    assert scheduler.stats["cancelled"] == cancelled + 1  # hung up, not run to its 90 tokens
-    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+def test_a_cancelled_request_frees_its_slots_at_the_next_step(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    scheduler = Scheduler(art)
+    try:
+        events, submitted = [], threading.Event()
+
+        def hang_up_after_the_first_token(event):
+            events.append(event)
+            if len(events) == 1:
+                submitted.wait()
+                scheduler.cancel(req)
+
+        req = scheduler.submit([0, 5, 6], decoding(max_new_tokens=80), hang_up_after_the_first_token)
+        submitted.set()
+        deadline = time.time() + 10
+        while (not events or events[-1].finish is None) and time.time() < deadline:
+            time.sleep(0.01)
+        assert [e.finish for e in events] == [None, "cancelled"]  # not one token more
+        assert not scheduler.live and scheduler.stats["cancelled"] == 1
+        assert len(list(scheduler.submit([0, 7], decoding(max_new_tokens=5)).events())) == 6  # slots came back
+    finally:
+        scheduler.close()
+
+
+def test_a_stream_closed_by_its_client_cancels_its_requests():
+    """The SSE generator's cleanup (what runs when a client hangs up) cancels every unfinished choice."""
+    cancelled = []
+
+    class Recorder:
+        def cancel(self, req):
+            cancelled.append(req)
+
+    queues = [asyncio.Queue(), asyncio.Queue()]
+    outputs = [_Output(SimpleNamespace(tokenizer=byte_tokenizer()), []) for _ in queues]
+
+    async def scenario():
+        stream = _stream(Recorder(), ["a", "b"], queues, outputs, "text_completion", {}, None)
+        queues[0].put_nowait(Event(token=65))
+        first = await stream.__anext__()
+        await stream.aclose()
+        return first
+
+    assert asyncio.run(scenario()).startswith("data: {")
+    assert cancelled == ["a", "b"]

@@ -1,0 +1,101 @@
+"""Concurrent clients against the OpenAI-compatible server, on loopback: throughput and latency.
+
+    python -m benchmarks.serve_load [--models default-fp32,220m] [--clients 1,4,8] [--requests 4]
+                                    [--max-tokens 32]
+
+Starts `runtime.serve` in-process (uvicorn on a free loopback port) for each TLM-only artifact of
+benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
+send `--requests` greedy streaming completions one after another (bounded: C x requests in all).
+Prints aggregate tokens/s (completion tokens, from the stream's usage chunk, over wall time), its
+ratio to one client's, p50/p99 time to first token and per-token latency, and how many outputs
+equal the same prompt's output run alone before the timed runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import uvicorn
+
+import runtime
+from benchmarks.multidecode import artifacts
+from runtime.serve import create_app
+
+PROMPTS = ["def binary_search(items, target):\n", "class Stack:\n    def __init__(self):\n        self.",
+           "import os\n\ndef list_python_files(root):\n", "def read_config(path):\n    with open(path) as f:\n",
+           "def mean(values):\n", "class Counter:\n", "def parse_args(argv):\n", "def main():\n"]
+
+
+def serve(art: runtime.Artifact) -> tuple[uvicorn.Server, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(art, name="bench"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}/v1/completions"
+
+
+def one(url: str, prompt: str, max_tokens: int) -> dict:
+    start, first, text, tokens = time.perf_counter(), None, "", 0
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                first = first or time.perf_counter()
+                text += chunk["choices"][0]["text"]
+            else:
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return dict(prompt=prompt, text=text, ttft=first - start, total=end - start, tokens=tokens)
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
+    jobs = [PROMPTS[(c + i) % len(PROMPTS)] for c in range(clients) for i in range(requests)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: one(url, p, max_tokens), jobs))
+    return results, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="default-fp32,220m")
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    print("| TLM | clients | tok/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | same as 1 client |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (art, _) in artifacts(args.models.split(",")).items():
+        server, url = serve(art)
+        reference = {p: one(url, p, args.max_tokens)["text"] for p in PROMPTS}  # warms up, one at a time
+        single = None
+        for clients in map(int, args.clients.split(",")):
+            results, wall = run(url, clients, args.requests, args.max_tokens)
+            rate = sum(r["tokens"] for r in results) / wall
+            single = single or rate
+            ttft = np.array([r["ttft"] for r in results]) * 1e3
+            per_token = np.array([(r["total"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in results]) * 1e3
+            same = sum(reference[r["prompt"]] == r["text"] for r in results)
+            print(f"| {name} | {clients} | {rate:.1f} | {rate / single:.2f}x | {np.percentile(ttft, 50):.0f} / "
+                  f"{np.percentile(ttft, 99):.0f} | {np.percentile(per_token, 50):.1f} / "
+                  f"{np.percentile(per_token, 99):.1f} | {same}/{len(results)} |", flush=True)
+        server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,7 @@
     python -m benchmarks.serve_load [--models default-fp32,220m] [--clients 1,4,8] [--requests 4]
                                     [--max-tokens 32]
 
-Starts `runtime.serve` in-process (uvicorn on a free loopback port) for each TLM-only artifact of
+Starts `python -m runtime.serve` in its own process (a free loopback port) for each TLM-only artifact of
 benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
 send `--requests` greedy streaming completions one after another (bounded: C x requests in all).
 Prints aggregate tokens/s (completion tokens, from the stream's usage chunk, over wall time), its
@@ -16,33 +16,38 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import threading
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import uvicorn
 
-import runtime
 from benchmarks.multidecode import artifacts
-from runtime.serve import create_app
 
 PROMPTS = ["def binary_search(items, target):\n", "class Stack:\n    def __init__(self):\n        self.",
            "import os\n\ndef list_python_files(root):\n", "def read_config(path):\n    with open(path) as f:\n",
            "def mean(values):\n", "class Counter:\n", "def parse_args(argv):\n", "def main():\n"]
 
 
-def serve(art: runtime.Artifact) -> tuple[uvicorn.Server, str]:
+def serve(art_dir: str) -> tuple[subprocess.Popen, str]:
+    """`python -m runtime.serve` in its own process (clients here must not share its GIL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(art, name="bench"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, f"http://127.0.0.1:{port}/v1/completions"
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", art_dir, "--port", str(port),
+                             "--model-name", "bench"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, f"{base}/v1/completions"
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not start")
 
 
 def one(url: str, prompt: str, max_tokens: int) -> dict:
@@ -81,7 +86,7 @@ def main() -> None:
     print("| TLM | clients | tok/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | same as 1 client |")
     print("|---|---|---|---|---|---|---|")
     for name, (art, _) in artifacts(args.models.split(",")).items():
-        server, url = serve(art)
+        server, url = serve(str(art.path))
         reference = {p: one(url, p, args.max_tokens)["text"] for p in PROMPTS}  # warms up, one at a time
         single = None
         for clients in map(int, args.clients.split(",")):
@@ -94,7 +99,8 @@ def main() -> None:
             print(f"| {name} | {clients} | {rate:.1f} | {rate / single:.2f}x | {np.percentile(ttft, 50):.0f} / "
                   f"{np.percentile(ttft, 99):.0f} | {np.percentile(per_token, 50):.1f} / "
                   f"{np.percentile(per_token, 99):.1f} | {same}/{len(results)} |", flush=True)
-        server.should_exit = True
+        server.terminate()
+        server.wait()
 
 
 if __name__ == "__main__":

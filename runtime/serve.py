@@ -242,8 +242,8 @@ async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list,
                     payload = {"error": {"message": event.error, "type": "server_error"}}
                     yield f"data: {json.dumps(payload)}\n\n"
                     continue
-                text = out.new_text()
-                if text or out.finish:
+                text = out.new_text()  # may be "" (text held back): a chunk per token all the same
+                if event.finish is None or text or out.finish:
                     choice = _choice(kind, i, text, out.finish, delta=True)
                     yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n"
         if usage_prompt is not None:

@@ -70,11 +70,11 @@ class Forest:
             used |= b.view
         return used
 
-    def extend(self, branches: list[Branch], chains: list[list[int]]) -> np.ndarray:
+    def extend(self, branches: list[Branch], chains: list[list[int]], check: bool = True) -> np.ndarray:
         """Append each chain of tokens to its (distinct) branch; return each chain's last-row logits [n, V].
 
         All rows go in as few calls as the graphs allow; a row sees its branch's view and the rows
-        of its own chain before it in the same call.
+        of its own chain before it in the same call. check=False: NaN/Inf rows are returned, not raised.
         """
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or not chains:
@@ -93,7 +93,7 @@ class Forest:
             o = owner[rows]
             sees = (o[:, None] == o[None, :]) & np.tri(len(rows), dtype=bool)
             cache_sees = np.stack([branches[b].view for b in o])
-            logits = self.runner.run_rows(self.runner.graph_for(len(rows)), tokens[rows], cache_sees, sees)
+            logits = self.runner.run_rows(self.runner.graph_for(len(rows)), tokens[rows], cache_sees, sees, check)
             self.runner.store(rows - s, slots[rows])
             for b in np.unique(o):
                 mine = rows[o == b]

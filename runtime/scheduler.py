@@ -156,20 +156,25 @@ class Scheduler:
             return
         chains = [req.prompt if id(req) in admitted else req.tokens[-1:] for req in self.live]
         try:
-            logits = forest.extend([r.branch for r in self.live], chains)
+            logits = forest.extend([r.branch for r in self.live], chains, check=False)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail; the server keeps serving
             for req in list(self.live):
                 self._finish(forest, req, "error", f"{type(exc).__name__}: {exc}")
             return
         now = time.perf_counter()
-        for req, row in zip(list(self.live), logits, strict=True):
+        finite = np.isfinite(logits).all(axis=1)
+        for req, row, ok in zip(list(self.live), logits, finite, strict=True):
+            if not ok:  # that request's error only: a token from NaN logits would be garbage
+                self._finish(forest, req, "error", "NonFiniteLogitsError: the model produced NaN/Inf logits "
+                             "for this request (damaged weights, or values overflowing the weight format)")
+                continue
             req.tokens.append(next_token(row, req.decoding.params, req.rng))
             req.first_token = req.first_token or now
             req.listener(Event(token=req.tokens[-1]))
             reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
             if reason:
                 self._finish(forest, req, reason)
-        self.stats["tokens"] += len(logits)
+        self.stats["tokens"] += int(finite.sum())
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
         self.stats["busy_s"] += time.perf_counter() - start

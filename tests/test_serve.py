@@ -10,12 +10,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 import runtime
 from recipes.default_pair import byte_tokenizer
-from runtime import ArtifactBusyError
+from runtime import ArtifactBusyError, NonFiniteLogitsError
 from runtime.request import decoding
 from runtime.scheduler import Event, Scheduler
 from runtime.serve import _Output, _stream, create_app
@@ -233,3 +234,32 @@ def test_a_stream_closed_by_its_client_cancels_its_requests():
 
     assert asyncio.run(scenario()).startswith("data: {")
     assert cancelled == ["a", "b"]
+
+
+def test_nan_logits_fail_only_their_own_request(artifact_dir, reference, monkeypatch):
+    """A row with NaN logits ends its request with an error; the requests batched beside it are unharmed."""
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    good_prompt, bad_prompt = PROMPTS[1], PROMPTS[0]
+    good = _greedy(reference, good_prompt, 30).token_ids
+    bad = _greedy(reference, bad_prompt, 12).token_ids
+    poison = next(t for t in bad[4:] if t not in good + good_prompt)  # only the bad request ever feeds it
+    real = art.tlm.run_rows
+
+    def poisoned(graph, tokens, cache_sees, sees, check=True):  # the real call, as if the model did it
+        logits = real(graph, tokens, cache_sees, sees, False)
+        logits[np.asarray(tokens) == poison] = np.nan
+        if check and not np.isfinite(logits).all():
+            raise NonFiniteLogitsError("NaN")
+        return logits
+
+    monkeypatch.setattr(art.tlm, "run_rows", poisoned)
+    scheduler = Scheduler(art)
+    try:
+        requests = [scheduler.submit(p, decoding(max_new_tokens=n)) for p, n in ((good_prompt, 30), (bad_prompt, 12))]
+        (*good_tokens, good_end), (*bad_tokens, bad_end) = [list(r.events()) for r in requests]
+    finally:
+        scheduler.close()
+    assert [e.token for e in good_tokens] == good and good_end.finish == "length"
+    assert bad_end.finish == "error" and "NaN" in bad_end.error and len(bad_tokens) < 12
+    assert bad_tokens[-1].token == poison  # it failed on the step that fed the poisoned token

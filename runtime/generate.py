@@ -116,10 +116,10 @@ def start_generation(
     artifact: str | Path | Artifact,
     prompt: str | Sequence[int],
     max_new_tokens: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     speculative: bool | str | None = None,
@@ -149,7 +149,7 @@ def start_generation(
                              f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
         if method == "prompt_lookup" and draft_length > settings.max_draft:
             raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
-    ids = encode_prompt(art, prompt, chat)
+    ids, d = encode_prompt(art, prompt, chat), d.with_recipe(art)
     return Generation(art, ids, d.new_tokens(art), d.params, seed, d.stop, method, settings, draft_sampling,
                       draft_length)
 
@@ -158,7 +158,8 @@ def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], n: in
              **kwargs) -> GenerationResult | MultiResult:
     """Generate from a compiled artifact (a path, or an Artifact from load_artifact for reuse).
 
-    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop, chat, and for
+    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p (unset: the recipe's [sampling]
+    values), seed, stop, chat, and for
     speculation: speculative (None: the recipe's choice; True: the recipe's method; False: off;
     or "draft", "prompt_lookup", "lookahead"), lookahead=dict(ngram, window, guesses, adaptive),
     prompt_lookup=dict(ngram, max_draft, adaptive), draft_sampling, draft_length (None lets the

@@ -144,14 +144,15 @@ def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int],
     """
     check_int("n", n, 1)
     d = decoding(**sampling)
-    if n > 1 and not d.params.do_sample:
-        raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
-                         "n samples, or use beam_search() for the n best sequences")
     if speculative not in (None, False):
         raise ValueError("speculative decoding runs one sequence per call; with n the branches share each "
                          "call instead: leave speculative unset (or False)")
     check_optional_bool("chat", chat)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    d = d.with_recipe(art)
+    if n > 1 and not d.params.do_sample:
+        raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
+                         "n samples, or use beam_search() for the n best sequences")
     ids, max_new = encode_prompt(art, prompt, chat), d.new_tokens(art)
     check_capacity(art, len(ids), [0] * n, max_new, "branches")
     return MultiGeneration(art, ids, [], n, max_new, d)
@@ -166,7 +167,7 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
         raise ValueError("questions is empty: give at least one question")
     d = decoding(**sampling)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-    max_new = d.new_tokens(art)
+    d, max_new = d.with_recipe(art), d.new_tokens(art)
     if context is None or len(context) == 0:
         shared, chains = [], [encode_prompt(art, q) for q in questions]
     else:

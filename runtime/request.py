@@ -6,7 +6,7 @@ Everything is validated before any model work, so bad input fails fast and chang
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 
 import numpy as np
@@ -116,14 +116,24 @@ def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None 
     return ids
 
 
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")
+
+
 @dataclass(frozen=True)
 class Decoding:
-    """The decoding keywords every entry point takes, checked."""
+    """The decoding keywords every entry point takes, checked. Sampling values the caller left
+    unset come from the recipe's [sampling] table (`with_recipe`)."""
 
     params: SamplingParams
+    given: dict  # the sampling values the caller set
     max_new_tokens: int | None
     seed: int | None
     stop: tuple[str, ...]
+
+    def with_recipe(self, art: Artifact) -> Decoding:
+        recipe = art.manifest.recipe.get("sampling", {})
+        values = {k: recipe[k] for k in SAMPLING_KEYS if k in recipe} | self.given
+        return replace(self, params=SamplingParams(**values))
 
     def new_tokens(self, art: Artifact) -> int:
         """max_new_tokens, or the recipe's default."""
@@ -131,11 +141,14 @@ class Decoding:
             else self.max_new_tokens
 
 
-def decoding(max_new_tokens: int | None = None, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = ()) -> Decoding:
-    params = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+def decoding(max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop: Sequence[str] = ()) -> Decoding:
+    """Check the keywords (None: the recipe's value, once `with_recipe` is applied)."""
+    given = {k: v for k, v in zip(SAMPLING_KEYS, (do_sample, temperature, top_k, top_p), strict=True) if v is not None}
+    params = SamplingParams(**given)  # checks what was given
     if max_new_tokens is not None:
         check_int("max_new_tokens", max_new_tokens, 1)
     if seed is not None:
         check_int("seed", seed, 0)
-    return Decoding(params, max_new_tokens, seed, stop_strings(stop))
+    return Decoding(params, given, max_new_tokens, seed, stop_strings(stop))

@@ -87,7 +87,7 @@ class Scheduler:
         """Queue a request; its events go to `listener` (called on the scheduler thread, must not block),
         or, without one, to `request.events()`. A request that can never fit the cache is refused at
         once (CapacityError); a full queue raises QueueFullError."""
-        max_new = decoding.new_tokens(self.art)
+        decoding, max_new = decoding.with_recipe(self.art), decoding.new_tokens(self.art)
         need = len(prompt) + max_new - 1
         if need > self.art.manifest.context_length:
             raise CapacityError(f"{len(prompt)} prompt tokens + {max_new - 1} new tokens = {need} cache slots, "

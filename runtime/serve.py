@@ -35,9 +35,9 @@ class Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)  # 0: greedy, as OpenAI's API means it
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension
+    temperature: float | None = Field(default=None, ge=0.0)  # 0: greedy, as OpenAI's API means it
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # unset: the recipe's [sampling] values
+    top_k: int | None = Field(default=None, ge=0)  # extension
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -142,9 +142,10 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
-        decodings = [decoding(max_new_tokens=body.max_tokens, do_sample=body.temperature > 0,
-                              temperature=body.temperature or 1.0, top_k=body.top_k, top_p=body.top_p, seed=s,
-                              stop=stops) for s in seeds]
+        t = body.temperature
+        decodings = [decoding(max_new_tokens=body.max_tokens, do_sample=None if t is None else t > 0,
+                              temperature=t or None, top_k=body.top_k, top_p=body.top_p, seed=s, stop=stops)
+                     for s in seeds]
     except (ValueError, TypeError) as exc:
         raise BadRequest(str(exc)) from None
     loop = asyncio.get_running_loop()

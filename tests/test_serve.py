@@ -263,3 +263,29 @@ def test_nan_logits_fail_only_their_own_request(artifact_dir, reference, monkeyp
     assert [e.token for e in good_tokens] == good and good_end.finish == "length"
     assert bad_end.finish == "error" and "NaN" in bad_end.error and len(bad_tokens) < 12
     assert bad_tokens[-1].token == poison  # it failed on the step that fed the poisoned token
+
+
+def test_the_recipes_sampling_table_is_the_default_everywhere(checkpoints, tmp_path):
+    from common.recipe import SamplingDefaults
+    from export.pipeline import build_artifact
+    from tests.conftest import tiny_recipe
+
+    recipe = tiny_recipe(dlm=None, sampling=SamplingDefaults(do_sample=True, temperature=0.7, top_k=20))
+    art = runtime.load_artifact(build_artifact(recipe, tmp_path / "art", tlm=str(checkpoints["llama-gqa"]),
+                                               progress=False))
+    art.eos_token_ids = frozenset()
+    explicit = runtime.generate(art, PROMPTS[2], max_new_tokens=12, seed=4, do_sample=True, temperature=0.7,
+                                top_k=20).token_ids
+    assert runtime.generate(art, PROMPTS[2], max_new_tokens=12, seed=4).token_ids == explicit
+    greedy = runtime.generate(art, PROMPTS[2], max_new_tokens=12, do_sample=False).token_ids
+    assert greedy != explicit  # the table really changed the default, and an explicit value wins
+    branches = runtime.generate(art, PROMPTS[2], n=2, max_new_tokens=12, seed=4)  # sampling by default: n > 1 ok
+    assert branches.branches[0].token_ids == explicit
+    served = runtime.load_artifact(art.path)
+    served.eos_token_ids = frozenset()
+    with TestClient(create_app(served, name="tiny")) as client:
+        body = {"prompt": PROMPTS[2], "max_tokens": 12, "seed": 4}
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == \
+            art.tokenizer.decode(explicit, skip_special_tokens=True)
+        greedy_text = client.post("/v1/completions", json=body | {"temperature": 0}).json()["choices"][0]["text"]
+        assert greedy_text == art.tokenizer.decode(greedy, skip_special_tokens=True)

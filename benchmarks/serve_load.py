@@ -1,7 +1,7 @@
 """Concurrent clients against the OpenAI-compatible server, on loopback: throughput and latency.
 
     python -m benchmarks.serve_load [--models default-fp32,220m] [--clients 1,4,8] [--requests 4]
-                                    [--max-tokens 32]
+                                    [--max-tokens 32] [--mixed 200]
 
 Starts `python -m runtime.serve` in its own process (a free loopback port) for each TLM-only artifact of
 benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
@@ -76,12 +76,49 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> tuple[list[di
     return results, time.perf_counter() - start
 
 
+def mixed(url: str, total: int, clients: int, max_tokens: int, reference: dict[str, str]) -> dict:
+    """`total` requests from `clients` threads mixing streaming, non-streaming, sampled, greedy,
+    oversize and malformed ones: every greedy one must equal its output alone, every bad one get a 4xx."""
+    bodies = [
+        lambda p: {"prompt": p, "max_tokens": max_tokens, "temperature": 0},  # greedy, whole
+        lambda p: {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True},  # greedy, streamed
+        lambda p: {"prompt": p, "max_tokens": max_tokens, "temperature": 0.8, "top_k": 40, "seed": 1},  # sampled
+        lambda p: {"prompt": p * 200, "max_tokens": max_tokens},  # oversize: 400
+        lambda p: {"prompt": p, "max_tokens": "many"},  # malformed: 400
+        lambda p: {"prompt": p, "temperature": -1},  # bad value: 400
+    ]
+    jobs = [(i % len(bodies), PROMPTS[i % len(PROMPTS)]) for i in range(total)]
+
+    def send(job: tuple[int, str]) -> tuple[int, int, str, str]:
+        kind, prompt = job
+        body = bodies[kind](prompt)
+        if body.get("stream"):
+            with httpx.stream("POST", url, json=body, timeout=600) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            return kind, r.status_code, prompt, "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        r = httpx.post(url, json=body, timeout=600)
+        return kind, r.status_code, prompt, r.json()["choices"][0]["text"] if r.status_code == 200 else ""
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(send, jobs))
+    wall = time.perf_counter() - start
+    greedy = [(p, t) for k, code, p, t in results if k in (0, 1)]
+    return dict(requests=total, wall_s=wall, requests_per_s=total / wall,
+                greedy_equal=sum(reference[p] == t for p, t in greedy), greedy=len(greedy),
+                bad_got_400=sum(code == 400 for k, code, _, _ in results if k >= 3),
+                bad=sum(k >= 3 for k, _, _, _ in results),
+                sampled_ok=sum(code == 200 for k, code, _, _ in results if k == 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="default-fp32,220m")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--mixed", type=int, default=0, metavar="N",
+                    help="then N mixed requests (good, sampled, oversize, malformed) from 8 clients")
     args = ap.parse_args()
     print("| TLM | clients | tok/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | same as 1 client |")
     print("|---|---|---|---|---|---|---|")
@@ -99,6 +136,8 @@ def main() -> None:
             print(f"| {name} | {clients} | {rate:.1f} | {rate / single:.2f}x | {np.percentile(ttft, 50):.0f} / "
                   f"{np.percentile(ttft, 99):.0f} | {np.percentile(per_token, 50):.1f} / "
                   f"{np.percentile(per_token, 99):.1f} | {same}/{len(results)} |", flush=True)
+        if args.mixed:
+            print(f"mixed load on {name}: {mixed(url, args.mixed, 8, args.max_tokens, reference)}", flush=True)
         server.terminate()
         server.wait()
 

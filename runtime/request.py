@@ -113,6 +113,12 @@ def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None 
             f"{art.manifest.context_length} leaves room for at most {limit} (plus one generated "
             "token); shorten the prompt or export with a longer context_length"
         )
+    most = art.manifest.recipe.get("max_prompt_length")
+    if most is not None and len(ids) > most:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens but the recipe's max_prompt_length is {most}; shorten the "
+            f"prompt or export with a larger max_prompt_length (below context_length {art.manifest.context_length})"
+        )
     return ids
 
 

@@ -57,10 +57,12 @@ def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
 def tiny_recipe(**overrides) -> Recipe:
     fields = dict(
         name="tiny-test", tlm=ModelSpec(model="unused"), dlm=ModelSpec(model="unused"), k=3,
-        prefill_chunk=8, context_length=96, max_prompt_length=64, max_new_tokens=64,
+        prefill_chunk=8, context_length=96, max_new_tokens=64,
         speculative=False,
     )
     fields.update(overrides)
+    if "max_prompt_length" not in overrides:  # prompts up to the context limit, unless a test sets one
+        fields["max_prompt_length"] = fields["context_length"] - 1
     return Recipe(**fields)
 
 

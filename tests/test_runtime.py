@@ -83,6 +83,17 @@ def test_context_limit_ends_with_length(art):
     assert art.tlm.length <= c
 
 
+def test_the_recipes_max_prompt_length_is_enforced(checkpoints, tmp_path):
+    from export.pipeline import build_artifact
+    from tests.conftest import tiny_recipe
+
+    short = runtime.load_artifact(build_artifact(tiny_recipe(dlm=None, max_prompt_length=10), tmp_path / "a",
+                                                 tlm=str(checkpoints["llama-gqa"]), progress=False))
+    assert len(runtime.generate(short, [0] * 10, max_new_tokens=2).token_ids) == 2
+    with pytest.raises(PromptTooLongError, match="11 tokens but the recipe's max_prompt_length is 10"):
+        runtime.generate(short, [0] * 11, max_new_tokens=2)
+
+
 def test_prompt_too_long_is_a_clear_error(art):
     c = art.manifest.context_length
     with pytest.raises(PromptTooLongError, match="context length"):

@@ -194,6 +194,7 @@ class _Output:
         self.pieces, self.stops = TextPieces(art.tokenizer), stops
         self.tokens: list[int] = []
         self.text, self.sent, self.finish, self.error = "", 0, None, None
+        self.chunks = 0  # stream chunks sent
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
@@ -216,10 +217,14 @@ class _Output:
         return piece
 
 
-def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = False) -> dict:
+def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = False, first: bool = True
+            ) -> dict:
+    """A choice of a response, or of a stream chunk (delta); a chat delta names the role in its first chunk only."""
     if kind == "chat.completion":
-        key = "delta" if delta else "message"
-        return {"index": index, key: {"role": "assistant", "content": text}, "finish_reason": finish}
+        if not delta:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text},
+                "finish_reason": finish}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
 
 
@@ -245,7 +250,8 @@ async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list,
                     continue
                 text = out.new_text()  # may be "" (text held back): a chunk per token all the same
                 if event.finish is None or text or out.finish:
-                    choice = _choice(kind, i, text, out.finish, delta=True)
+                    choice = _choice(kind, i, text, out.finish, delta=True, first=not out.chunks)
+                    out.chunks += 1
                     yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n"
         if usage_prompt is not None:
             completion = sum(len(o.tokens) for o in outputs)

@@ -119,6 +119,13 @@ def test_chat_completions_use_the_chat_template(served, reference):
     ids = reference.tokenizer("abc")["input_ids"]
     assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
     assert r["choices"][0]["message"]["content"] == _greedy(reference, ids, 8).text
+    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}],
+                                                             "max_tokens": 8, "temperature": 0, "stream": True}) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert chunks[0]["object"] == "chat.completion.chunk" and deltas[0]["role"] == "assistant"
+    assert all("role" not in d for d in deltas[1:]) and "".join(d["content"] for d in deltas) == \
+        r["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("body, word", [

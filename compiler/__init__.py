@@ -1,5 +1,4 @@
-"""Turns exported graphs into a compiled artifact for one target (ort-cpu, ort-cuda)."""
+"""Turns exported graphs into a compiled artifact for one target (ort-cpu, ort-cuda): `compiler.build`.
 
-from compiler.build import compile_artifact
-
-__all__ = ["compile_artifact"]
+Nothing is imported here, so the runtime can read `compiler.targets` without onnx or torch.
+"""

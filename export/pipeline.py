@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from common import graph_io
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
-from compiler import compile_artifact
+from compiler.build import compile_artifact
 from export.loader import check_finite, load_model, resolve_model_dir
 from export.onnx_export import export_model
 from quant.onnx_pass import float16_export, quantize_export

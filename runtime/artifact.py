@@ -10,12 +10,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from common.manifest import ArtifactError, Manifest, read_manifest
 from compiler.targets import check_prepacked, check_target
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
+from runtime.tokenizer import Tokenizer
 
 
 class ArtifactBusyError(RuntimeError):
@@ -26,7 +25,7 @@ class ArtifactBusyError(RuntimeError):
 class Artifact:
     path: Path
     manifest: Manifest
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     runners: dict[str, ModelRunner]
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
@@ -89,8 +88,8 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     check_target(manifest.target)
     check_prepacked(manifest.prepacked_for)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path / manifest.tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        tokenizer = Tokenizer(path / manifest.tokenizer_dir)
+    except Exception as exc:  # noqa: BLE001 - a missing or damaged tokenizer file, whatever the parser raises
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
         role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
 from runtime.artifact import Artifact
+from runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -45,7 +44,7 @@ def finish_reason(art: Artifact, ids: Sequence[int], stop: Sequence[str], max_ne
 class TextPieces:
     """Tokens in, text pieces out, as they come; an incomplete multi-byte character waits for the rest."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
 
     def add(self, token: int) -> str | None:

@@ -1,0 +1,65 @@
+"""The runtime's tokenizer (tokenizers + Jinja only) gives transformers' results; the runtime imports no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from recipes.default_pair import builtin_model_dir, byte_tokenizer
+from runtime.tokenizer import Tokenizer
+
+TEXTS = ["def f(x):\n    return x + 1\n", "Grüße, naïve café — ✓ 漢字", "  spaces   and\ttabs\n\n", "a", "</s>x<s>"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+@pytest.fixture(params=["default-pair", "byte"])
+def pair(request, tmp_path):
+    if request.param == "default-pair":
+        folder = builtin_model_dir("stdlib-tlm")
+    else:
+        folder = tmp_path / "byte"
+        byte_tokenizer().save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder), Tokenizer(folder)
+
+
+def test_encode_decode_and_eos_equal_transformers(pair):
+    hf, ours = pair
+    assert ours.eos_token_id == hf.eos_token_id
+    for text in TEXTS:
+        for special in (True, False):
+            ids = hf(text, add_special_tokens=special)["input_ids"]
+            assert ours(text, add_special_tokens=special)["input_ids"] == ids
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_chat_template_renders_as_transformers(pair):
+    hf, ours = pair
+    hf.chat_template = ours.chat_template = TEMPLATE
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Sum 2 and 3?"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == \
+            hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == list(
+            hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=False))
+
+
+def test_a_template_may_raise_and_a_missing_template_is_clear(pair):
+    _, ours = pair
+    ours.chat_template = "{{ raise_exception('only user messages') }}"
+    with pytest.raises(Exception, match="only user messages"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}])
+    ours.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_runtime_and_the_server_import_neither_torch_nor_transformers():
+    code = ("import sys, runtime, runtime.serve, runtime.__main__; "
+            "print(sorted(m for m in ('torch', 'transformers', 'onnx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -90,8 +90,11 @@ def _multi(art, prompt: str, args: argparse.Namespace) -> int:
 
     if sum(x is not None and x != [] for x in (args.n, args.beams, args.question)) > 1:
         raise ValueError("choose one of --n, --beams and --question")
-    if args.beams is not None and (args.sample or args.seed is not None or args.speculative):
-        raise ValueError("--beams is deterministic beam search: drop --sample/--seed/--speculative")
+    if args.speculative or args.draft_length is not None or _method_settings(args):
+        raise ValueError("--n, --beams and --question decode several sequences in one call per step, without "
+                         "speculation: drop the speculation flags")
+    if args.beams is not None and (args.sample or args.seed is not None):
+        raise ValueError("--beams is deterministic beam search: drop --sample/--seed")
     if args.beams is None and (args.length_penalty is not None or args.num_return is not None):
         raise ValueError("--length-penalty and --num-return apply to --beams only")
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
@@ -104,7 +107,7 @@ def _multi(art, prompt: str, args: argparse.Namespace) -> int:
             print(f"=== beam {i} | score {s.score:.4f} | {s.finish_reason} ===\n{prompt}{s.text}\n")
     else:
         if args.n is not None:
-            r = generate(art, prompt, n=args.n, speculative=args.speculative or None, **sampling)
+            r = generate(art, prompt, n=args.n, **sampling)
             heads = [f"branch {i} | seed {seed}" for i, seed in enumerate(r.seeds)]
             shown = [prompt] * args.n
         else:

@@ -31,9 +31,10 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients may send fields we do not use
+    model_config = ConfigDict(extra="forbid")  # an unsupported field (logit_bias, ...) is a 400, never ignored
 
     model: str | None = None
+    user: str | None = None  # accepted, unused (an end-user id for abuse tracking in OpenAI's API)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)  # 0: greedy, as OpenAI's API means it
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # unset: the recipe's [sampling] values

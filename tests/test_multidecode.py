@@ -365,5 +365,7 @@ def test_cli_runs_parallel_sampling_beams_and_questions(no_eos, capsys):
     assert "do_sample=True" in capsys.readouterr().err
     assert main([path, "--prompt", "ab", "--beams", "2", "--sample"]) == 2
     assert "deterministic" in capsys.readouterr().err
+    assert main([path, "--prompt", "ab", "--question", "c", "--window", "3"]) == 2
+    assert "without speculation" in capsys.readouterr().err
     assert main([path, "--prompt", "ab", "--num-return", "2"]) == 2
     assert "apply to --beams only" in capsys.readouterr().err

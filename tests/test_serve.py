@@ -139,6 +139,7 @@ def test_chat_completions_use_the_chat_template(served, reference):
     ({"prompt": ""}, "empty"),
     ({"prompt": "x", "stop": [""]}, "empty stop string"),
     ({}, "prompt"),
+    ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),  # unsupported: refused, never ignored
 ])
 def test_bad_requests_get_a_400_with_an_openai_error_body(served, body, word):
     _, client = served

@@ -48,6 +48,7 @@ class Request:
     rng: np.random.Generator = field(init=False)
     tokens: list[int] = field(default_factory=list)
     branch: Branch | None = None
+    leader: Request | None = None  # another choice of the same prompt, whose prefilled branch this one forks
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -65,16 +66,18 @@ class Request:
 
     @property
     def need(self) -> int:
-        """Cache slots this request may still take: its prompt and every new token but the last."""
-        used = self.branch.length if self.branch is not None else 0
-        return len(self.prompt) + self.max_new_tokens - 1 - used
+        """Cache slots this request may still take: its prompt (unless a leader holds it) and every
+        new token but the last."""
+        shared = 0 if self.leader is None else len(self.prompt)
+        used = self.branch.length - shared if self.branch is not None else 0
+        return len(self.prompt) - shared + self.max_new_tokens - 1 - used
 
 
 class Scheduler:
     def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None) -> None:
         self.art, self.max_queue = art, max_queue
         self.max_batch = max_batch or art.manifest.context_length
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0)
         self._wake = threading.Condition()
@@ -87,21 +90,31 @@ class Scheduler:
         """Queue a request; its events go to `listener` (called on the scheduler thread, must not block),
         or, without one, to `request.events()`. A request that can never fit the cache is refused at
         once (CapacityError); a full queue raises QueueFullError."""
-        decoding, max_new = decoding.with_recipe(self.art), decoding.new_tokens(self.art)
-        need = len(prompt) + max_new - 1
+        return self.submit_choices(prompt, [decoding], [listener])[0]
+
+    def submit_choices(self, prompt: list[int], decodings: list[Decoding],
+                       listeners: list[Callable[[Event], None] | None]) -> list[Request]:
+        """Several choices of one prompt (OpenAI's `n`): the prompt is prefilled once and every choice
+        forks it, as MultiDecode's parallel sampling does. Admitted together or not at all."""
+        requests = []
+        for decoding, listener in zip(decodings, listeners, strict=True):
+            decoding, max_new = decoding.with_recipe(self.art), decoding.new_tokens(self.art)
+            events: queue.Queue[Event] = queue.Queue()
+            requests.append(Request(list(prompt), decoding, max_new, listener or events.put, events,
+                                    leader=requests[0] if requests else None))
+        need = sum(r.need for r in requests)
         if need > self.art.manifest.context_length:
-            raise CapacityError(f"{len(prompt)} prompt tokens + {max_new - 1} new tokens = {need} cache slots, "
-                                f"but the cache holds {self.art.manifest.context_length}: lower max_tokens")
-        events: queue.Queue[Event] = queue.Queue()
-        req = Request(list(prompt), decoding, max_new, listener or events.put, events)
+            raise CapacityError(f"{len(prompt)} prompt tokens + {len(requests)} choices x their new tokens = {need} "
+                                f"cache slots, but the cache holds {self.art.manifest.context_length}: lower "
+                                "max_tokens or n")
         with self._wake:
             if len(self.waiting) >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFullError(f"{len(self.waiting)} requests are waiting (the limit): retry later")
-            self.waiting.append(req)
-            self.stats["requests"] += 1
+            self.waiting.append(requests)
+            self.stats["requests"] += len(requests)
             self._wake.notify()
-        return req
+        return requests
 
     def cancel(self, req: Request) -> None:
         """Stop a request (a client that went away): its slots are freed at the next step."""
@@ -120,18 +133,25 @@ class Scheduler:
         room = forest.free_slots() - sum(r.need for r in self.live)
         admitted = []
         while self.waiting and len(self.live) < self.max_batch:
-            req = self.waiting[0]
-            if req.cancelled:
-                self.waiting.popleft()
-                req.listener(Event(finish="cancelled"))
-                continue
-            if req.need > room:
+            group = [r for r in self.waiting[0] if not r.cancelled]
+            for req in self.waiting[0]:
+                if req.cancelled:
+                    req.listener(Event(finish="cancelled"))
+            if group and group[0].leader is not None:  # its leader was cancelled: the next choice leads
+                group[0].leader = None
+                for req in group[1:]:
+                    req.leader = group[0]
+            need = sum(r.need for r in group)
+            if group and need > room:
+                self.waiting[0] = group
                 break  # first come, first served: no overtaking that could starve a long request
             self.waiting.popleft()
-            room -= req.need
-            req.branch, _ = forest.root()
-            self.live.append(req)
-            admitted.append(req)
+            room -= need
+            for req in group:
+                if req.leader is None:
+                    req.branch, _ = forest.root()
+                self.live.append(req)
+                admitted.append(req)
         return admitted
 
     def _loop(self) -> None:
@@ -154,13 +174,22 @@ class Scheduler:
             self._finish(forest, req, "cancelled")
         if not self.live:
             return
-        chains = [req.prompt if id(req) in admitted else req.tokens[-1:] for req in self.live]
+        for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
+            if req.branch is None and req.leader not in self.live:
+                req.leader, req.branch = None, forest.root()[0]
+        fed = [r for r in self.live if r.branch is not None]
+        chains = [req.prompt if id(req) in admitted else req.tokens[-1:] for req in fed]
         try:
-            logits = forest.extend([r.branch for r in self.live], chains, check=False)
+            rows = forest.extend([r.branch for r in fed], chains, check=False)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail; the server keeps serving
             for req in list(self.live):
                 self._finish(forest, req, "error", f"{type(exc).__name__}: {exc}")
             return
+        row_of = {id(r): row for r, row in zip(fed, rows, strict=True)}
+        for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
+            if req.branch is None:
+                req.branch, row_of[id(req)] = forest.fork(req.leader.branch), row_of[id(req.leader)]
+        logits = np.stack([row_of[id(r)] for r in self.live])
         now = time.perf_counter()
         finite = np.isfinite(logits).all(axis=1)
         for req, row, ok in zip(list(self.live), logits, finite, strict=True):
@@ -180,7 +209,8 @@ class Scheduler:
         self.stats["busy_s"] += time.perf_counter() - start
 
     def _finish(self, forest: Forest, req: Request, reason: str, error: str | None = None) -> None:
-        forest.release(req.branch)
+        if req.branch is not None:
+            forest.release(req.branch)
         self.live.remove(req)
         self.stats["finished"] += 1
         self.stats["cancelled"] += reason == "cancelled"

@@ -151,15 +151,10 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
         raise BadRequest(str(exc)) from None
     loop = asyncio.get_running_loop()
     queues: list[asyncio.Queue[Event]] = [asyncio.Queue() for _ in decodings]
-    reqs = []
-    try:
-        for d, q in zip(decodings, queues, strict=True):
-            reqs.append(scheduler.submit(ids, d, lambda e, q=q: loop.call_soon_threadsafe(q.put_nowait, e)))
-    except (CapacityError, QueueFullError) as exc:
-        for r in reqs:
-            scheduler.cancel(r)
-        if isinstance(exc, QueueFullError):
-            raise
+    try:  # the choices share one prefilled prompt
+        reqs = scheduler.submit_choices(ids, decodings, [lambda e, q=q: loop.call_soon_threadsafe(q.put_nowait, e)
+                                                         for q in queues])
+    except CapacityError as exc:
         raise BadRequest(str(exc)) from None
     meta = dict(id=f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                 model=body.model or art.manifest.name)

@@ -112,6 +112,24 @@ def test_sampled_choices_follow_their_seeds(served, reference):
         assert choice["index"] == i and choice["text"] == alone.text
 
 
+def test_choices_of_one_prompt_share_its_prefill(artifact_dir, reference):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    scheduler = Scheduler(art)
+    try:
+        prompt = PROMPTS[3]  # 31 tokens: several calls of the largest graph if prefilled once per choice
+        choices = scheduler.submit_choices(prompt, [decoding(max_new_tokens=6, do_sample=True, seed=9 + i)
+                                                    for i in range(3)], [None] * 3)
+        texts = [[e.token for e in r.events() if e.token is not None] for r in choices]
+    finally:
+        scheduler.close()
+    for i, tokens in enumerate(texts):
+        alone = runtime.generate(reference, prompt, max_new_tokens=6, do_sample=True, seed=9 + i, speculative=False)
+        assert tokens == alone.token_ids
+    largest = max(g.tokens for g in art.tlm.graphs.values())
+    assert scheduler.stats["calls"] == -(-len(prompt) // largest) + 5  # one prefill, then one call per step
+
+
 def test_chat_completions_use_the_chat_template(served, reference):
     _, client = served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}],

@@ -130,6 +130,23 @@ def test_choices_of_one_prompt_share_its_prefill(artifact_dir, reference):
     assert scheduler.stats["calls"] == -(-len(prompt) // largest) + 5  # one prefill, then one call per step
 
 
+def test_a_choice_whose_leader_is_cancelled_first_goes_on_alone(artifact_dir, reference):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    scheduler = Scheduler(art)
+    try:
+        with scheduler._wake:  # hold the scheduler: the leader is cancelled before the group is admitted
+            leader, follower = scheduler.submit_choices(
+                PROMPTS[1], [decoding(max_new_tokens=6, do_sample=True, seed=s) for s in (1, 2)], [None, None])
+            scheduler.cancel(leader)
+        assert [e.finish for e in leader.events()] == ["cancelled"]
+        tokens = [e.token for e in follower.events() if e.token is not None]
+    finally:
+        scheduler.close()
+    alone = runtime.generate(reference, PROMPTS[1], max_new_tokens=6, do_sample=True, seed=2, speculative=False)
+    assert tokens == alone.token_ids
+
+
 def test_chat_completions_use_the_chat_template(served, reference):
     _, client = served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}],

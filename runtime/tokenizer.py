@@ -42,7 +42,6 @@ class Tokenizer:
         template_file = folder / "chat_template.jinja"
         if self.chat_template is None and template_file.is_file():
             self.chat_template = template_file.read_text()
-        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         eos = self.special.get("eos_token")
         self.eos_token_id = self.backend.token_to_id(eos) if eos is not None else None
 
@@ -50,15 +49,13 @@ class Tokenizer:
         return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-        if self.clean_up_spaces:  # transformers' clean_up_tokenization
-            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-                text = text.replace(before, after)
-        return text
+        # transformers 5 applies no clean_up_tokenization to a fast tokenizer's decode; neither do we
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             return_dict: bool = False) -> list[int] | str:
+        if return_dict:
+            raise ValueError("return_dict=True is not supported: the runtime's tokenizer returns token ids")
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])

@@ -37,6 +37,16 @@ def test_encode_decode_and_eos_equal_transformers(pair):
                 assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
+def test_clean_up_tokenization_spaces_changes_nothing_as_in_transformers(pair, tmp_path):
+    hf, _ = pair
+    hf.clean_up_tokenization_spaces = True
+    hf.save_pretrained(tmp_path / "clean")
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path / "clean"), Tokenizer(tmp_path / "clean")
+    for text in ("a , b . c ? d ! e ' f n't g 'm h 's i 've j 're", "x ."):
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == hf.decode(ids)
+
+
 def test_chat_template_renders_as_transformers(pair):
     hf, ours = pair
     hf.chat_template = ours.chat_template = TEMPLATE
@@ -56,6 +66,8 @@ def test_a_template_may_raise_and_a_missing_template_is_clear(pair):
     ours.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         ours.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="return_dict"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}], return_dict=True)
 
 
 def test_the_runtime_and_the_server_import_neither_torch_nor_transformers():

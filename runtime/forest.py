@@ -71,23 +71,32 @@ class Forest:
         return used
 
     def extend(self, branches: list[Branch], chains: list[list[int]], check: bool = True) -> np.ndarray:
-        """Append each chain of tokens to its (distinct) branch; return each chain's last-row logits [n, V].
+        """Append each chain of tokens to its (distinct) branch; return each chain's last-row logits [n, V]."""
+        kept, _ = self.extend_rows(branches, chains, [1] * len(chains), check)
+        return np.concatenate(kept)
+
+    def extend_rows(self, branches: list[Branch], chains: list[list[int]], keep: list[int], check: bool = True
+                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Append each chain of tokens to its (distinct) branch; return the logits of each chain's last
+        keep[i] rows ([keep[i], V] each) and the slots each chain's tokens went into (for `trim`).
 
         All rows go in as few calls as the graphs allow; a row sees its branch's view and the rows
         of its own chain before it in the same call. check=False: NaN/Inf rows are returned, not raised.
         """
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
-        if len(branches) != len(chains) or not chains:
+        if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
             raise ValueError(f"extend needs one chain per branch, got {len(branches)} branches, {len(chains)} chains")
         if len({id(b) for b in branches}) < len(branches) or any(b not in self.live for b in branches):
             raise ValueError("extend needs distinct, live branches (fork a branch to extend it twice)")
         if (lengths < 1).any():
             raise ValueError("every chain needs at least one token")
+        if any(not 1 <= k <= n for k, n in zip(keep, lengths, strict=True)):
+            raise ValueError("each chain keeps between 1 and all of its rows' logits")
         owner = np.repeat(np.arange(len(chains)), lengths)
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
         slots = self._allocate(len(tokens))
-        last = np.cumsum(lengths) - 1  # each chain's last row
-        out = np.empty((len(chains), self.runner.dims.vocab_size), dtype=np.float32)
+        first_kept = np.cumsum(lengths) - np.asarray(keep)  # row index of each chain's first kept row
+        out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) for k in keep]
         for s in range(0, len(tokens), self.max_rows):
             rows = np.arange(s, min(s + self.max_rows, len(tokens)))
             o = owner[rows]
@@ -99,9 +108,18 @@ class Forest:
                 mine = rows[o == b]
                 branches[b].view[slots[mine]] = True
                 branches[b].length += len(mine)
-            done = np.flatnonzero((last >= rows[0]) & (last <= rows[-1]))
-            out[done] = logits[last[done] - s]
-        return out
+            for r in rows[rows >= first_kept[o]]:
+                out[owner[r]][r - first_kept[owner[r]]] = logits[r - s]
+        bounds = np.cumsum(lengths)[:-1]
+        return out, np.split(slots, bounds)
+
+    def trim(self, branch: Branch, slots: np.ndarray) -> None:
+        """Take tokens back out of a branch (rejected drafts): their slots are free again unless another
+        branch sees them."""
+        if not branch.view[slots].all():
+            raise ValueError("trim: the branch does not hold every one of these slots")
+        branch.view[slots] = False
+        branch.length -= len(slots)
 
     def _allocate(self, n: int) -> np.ndarray:
         free = np.flatnonzero(~self._used())

@@ -18,7 +18,7 @@ from common import graph_io
 from runtime.artifact import Artifact, load_artifact
 from runtime.multi import MultiResult, collect, start_branches
 from runtime.request import (
-    check_int,
+    check_draft_length,
     check_optional_bool,
     decoding,
     encode_prompt,
@@ -136,19 +136,10 @@ def start_generation(
     check_optional_bool("chat", chat)
     if draft_sampling is not None and not isinstance(draft_sampling, SamplingParams):
         raise TypeError(f"draft_sampling must be a SamplingParams or None, got {type(draft_sampling).__name__}")
-    if draft_length is not None:
-        check_int("draft_length", draft_length, 1)
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     method = speculation_method(art, speculative)
     settings = method_settings(art, method, lookahead, prompt_lookup)
-    if draft_length is not None:
-        if method == "lookahead":
-            raise ValueError("draft_length applies to speculative='draft' and 'prompt_lookup', not lookahead")
-        if method == "draft" and draft_length not in graph_io.draft_lengths(art.manifest.k):
-            raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; available: "
-                             f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
-        if method == "prompt_lookup" and draft_length > settings.max_draft:
-            raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
+    check_draft_length(art, method, settings, draft_length)
     ids, d = encode_prompt(art, prompt, chat), d.with_recipe(art)
     return Generation(art, ids, d.new_tokens(art), d.params, seed, d.stop, method, settings, draft_sampling,
                       draft_length)

@@ -11,6 +11,7 @@ from numbers import Integral
 
 import numpy as np
 
+from common import graph_io
 from common.recipe import SPECULATION_METHODS, LookaheadSettings, PromptLookupSettings, settings_from
 from runtime.artifact import Artifact
 from runtime.sampling import SamplingParams
@@ -76,9 +77,71 @@ def method_settings(art: Artifact, method: str | None, lookahead: object, prompt
     if method == "lookahead":
         return settings_from(LookaheadSettings, recipe.get("lookahead", {}) | (lookahead or {}), "lookahead")
     if method == "prompt_lookup":
-        return settings_from(PromptLookupSettings, recipe.get("prompt_lookup", {}) | (prompt_lookup or {}),
-                             "prompt_lookup")
+        settings = settings_from(PromptLookupSettings, recipe.get("prompt_lookup", {}) | (prompt_lookup or {}),
+                                 "prompt_lookup")
+        if settings.max_draft >= (biggest := largest_graph(art)):
+            raise ValueError(f"prompt_lookup max_draft {settings.max_draft} needs a graph of T = "
+                             f"{settings.max_draft + 1}; this artifact's largest is T = {biggest}")
+        return settings
     return None
+
+
+def largest_graph(art: Artifact) -> int:
+    """The most rows one TLM call takes."""
+    return max(g.tokens for g in art.manifest.models["tlm"].graphs.values())
+
+
+def check_draft_length(art: Artifact, method: str | None, settings: object, draft_length: object) -> None:
+    if draft_length is None:
+        return
+    check_int("draft_length", draft_length, 1)
+    if method in (None, "lookahead"):
+        raise ValueError("draft_length applies to speculative='draft' and 'prompt_lookup', not "
+                         f"{method or 'autoregressive decoding'}")
+    if method == "draft" and draft_length not in graph_io.draft_lengths(art.manifest.k):
+        raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; available: "
+                         f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
+    if method == "prompt_lookup" and draft_length > settings.max_draft:
+        raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculation as the scheduler runs it for one request: every round drafts the longest allowed
+    length up to the request's draft length. The policy is fixed, not adaptive: in a shared batch a
+    request's round time is not its own, so there is nothing of its own to measure. A round with the
+    same length as a single generation's (generate(..., draft_length=k)) draws the same random numbers."""
+
+    method: str  # "draft" or "prompt_lookup"
+    lengths: tuple[int, ...]  # the draft lengths a round may use, ascending, 0 (a plain step) first
+    settings: PromptLookupSettings | None = None
+
+    @property
+    def k(self) -> int:
+        return self.lengths[-1]
+
+    def length(self, room: int) -> int:
+        """The draft length of a round with room for at most `room` drafts."""
+        return max(k for k in self.lengths if k <= room)
+
+
+def batched_speculation(art: Artifact, speculative: object, draft_length: object = None) -> Speculation | None:
+    """A server request's speculation (None: the method is off)."""
+    method = speculation_method(art, speculative)
+    if method == "lookahead":
+        raise ValueError("speculation 'lookahead' runs in single generations only (its Jacobi window belongs "
+                         "to one sequence); the server runs 'draft' and 'prompt_lookup'")
+    settings = method_settings(art, method, None, {"max_draft": draft_length} if method == "prompt_lookup" and
+                               isinstance(draft_length, int) else None)  # a shorter match is all a round scores
+    check_draft_length(art, method, settings, draft_length)
+    if method is None:
+        return None
+    if method == "draft":
+        ks = [k for k in graph_io.draft_lengths(art.manifest.k) if k < largest_graph(art)]
+        cap = draft_length or max(ks)
+        return Speculation(method, (0, *[k for k in ks if k <= cap]))
+    assert isinstance(settings, PromptLookupSettings)
+    return Speculation(method, tuple(range((draft_length or settings.max_draft) + 1)), settings)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:

@@ -7,6 +7,11 @@ row with its own random stream. Requests join and leave between steps. A request
 only when the cache has room for its prompt and all its new tokens besides what the admitted
 requests may still need, so a running request never runs out of slots; the waiting queue is
 bounded (QueueFullError). Callers never touch a runner: they submit and read events.
+
+A request may speculate (request.Speculation): its row chain is then its newest token plus this
+round's drafts, scored in the same call as everyone else's rows, verified exactly
+(runtime/rejection.py), and its rejected rows are trimmed from its branch. Draft-model drafts
+come from a second forest over the DLM's cache, every drafting request's i-th draft in one call.
 """
 
 from __future__ import annotations
@@ -22,9 +27,16 @@ import numpy as np
 
 from runtime.artifact import Artifact
 from runtime.forest import Branch, CapacityError, Forest
-from runtime.request import Decoding
+from runtime.prompt_lookup import lookup
+from runtime.proposal import Proposal
+from runtime.rejection import verify_round
+from runtime.request import Decoding, Speculation
 from runtime.results import finish_reason
-from runtime.sampling import next_token
+from runtime.sampling import next_token, sample, warp
+
+NONE = Proposal()  # a plain step
+NON_FINITE = ("NonFiniteLogitsError: the model produced NaN/Inf logits for this request (damaged weights, or "
+              "values overflowing the weight format)")
 
 
 class QueueFullError(RuntimeError):
@@ -49,6 +61,9 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     branch: Branch | None = None
     leader: Request | None = None  # another choice of the same prompt, whose prefilled branch this one forks
+    spec: Speculation | None = None
+    dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
+    dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -66,11 +81,23 @@ class Request:
 
     @property
     def need(self) -> int:
-        """Cache slots this request may still take: its prompt (unless a leader holds it) and every
-        new token but the last."""
+        """Cache slots this request may still take: its prompt (unless a leader holds it), every new
+        token but the last, and room for a round's drafts scored past its last token."""
         shared = 0 if self.leader is None else len(self.prompt)
         used = self.branch.length - shared if self.branch is not None else 0
-        return len(self.prompt) - shared + self.max_new_tokens - 1 - used
+        return len(self.prompt) - shared + self.max_new_tokens - 1 + self.spare - used
+
+    @property
+    def dlm_need(self) -> int:
+        """The same in the DLM's cache (no prompt is shared there)."""
+        if self.spec is None or self.spec.method != "draft":
+            return 0
+        used = self.dlm_branch.length if self.dlm_branch is not None else 0
+        return len(self.prompt) + self.max_new_tokens - 1 + self.spare - used
+
+    @property
+    def spare(self) -> int:
+        return self.spec.k if self.spec is not None else 0
 
 
 class Scheduler:
@@ -79,21 +106,23 @@ class Scheduler:
         self.max_batch = max_batch or art.manifest.context_length
         self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
-        self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0)
+        self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
+                          drafted=0, accepted=0)
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: list[int], decoding: Decoding, listener: Callable[[Event], None] | None = None
-               ) -> Request:
+    def submit(self, prompt: list[int], decoding: Decoding, listener: Callable[[Event], None] | None = None,
+               spec: Speculation | None = None) -> Request:
         """Queue a request; its events go to `listener` (called on the scheduler thread, must not block),
         or, without one, to `request.events()`. A request that can never fit the cache is refused at
         once (CapacityError); a full queue raises QueueFullError."""
-        return self.submit_choices(prompt, [decoding], [listener])[0]
+        return self.submit_choices(prompt, [decoding], [listener], spec)[0]
 
     def submit_choices(self, prompt: list[int], decodings: list[Decoding],
-                       listeners: list[Callable[[Event], None] | None]) -> list[Request]:
+                       listeners: list[Callable[[Event], None] | None], spec: Speculation | None = None
+                       ) -> list[Request]:
         """Several choices of one prompt (OpenAI's `n`): the prompt is prefilled once and every choice
         forks it, as MultiDecode's parallel sampling does. Admitted together or not at all."""
         requests = []
@@ -101,12 +130,14 @@ class Scheduler:
             decoding, max_new = decoding.with_recipe(self.art), decoding.new_tokens(self.art)
             events: queue.Queue[Event] = queue.Queue()
             requests.append(Request(list(prompt), decoding, max_new, listener or events.put, events,
-                                    leader=requests[0] if requests else None))
-        need = sum(r.need for r in requests)
-        if need > self.art.manifest.context_length:
-            raise CapacityError(f"{len(prompt)} prompt tokens + {len(requests)} choices x their new tokens = {need} "
-                                f"cache slots, but the cache holds {self.art.manifest.context_length}: lower "
-                                "max_tokens or n")
+                                    leader=requests[0] if requests else None, spec=spec))
+        c = self.art.manifest.context_length
+        for cache, need in (("cache", sum(r.need for r in requests)), ("draft model's cache",
+                                                                       sum(r.dlm_need for r in requests))):
+            if need > c:
+                raise CapacityError(f"{len(prompt)} prompt tokens + {len(requests)} choices x (their new tokens + "
+                                    f"{requests[0].spare} drafts) = {need} slots, but the {cache} holds {c}: "
+                                    "lower max_tokens, n or the draft length")
         with self._wake:
             if len(self.waiting) >= self.max_queue:
                 self.stats["rejected"] += 1
@@ -128,9 +159,10 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
-    def _admit(self, forest: Forest) -> list[Request]:
+    def _admit(self, forest: Forest, dlm: Forest | None) -> list[Request]:
         """Move waiting requests in while the cache can hold all they may need."""
         room = forest.free_slots() - sum(r.need for r in self.live)
+        dlm_room = dlm.free_slots() - sum(r.dlm_need for r in self.live) if dlm is not None else 0
         admitted = []
         while self.waiting and len(self.live) < self.max_batch:
             group = [r for r in self.waiting[0] if not r.cancelled]
@@ -141,12 +173,12 @@ class Scheduler:
                 group[0].leader = None
                 for req in group[1:]:
                     req.leader = group[0]
-            need = sum(r.need for r in group)
-            if group and need > room:
+            need, dlm_need = sum(r.need for r in group), sum(r.dlm_need for r in group)
+            if group and (need > room or dlm_need > dlm_room):
                 self.waiting[0] = group
                 break  # first come, first served: no overtaking that could starve a long request
             self.waiting.popleft()
-            room -= need
+            room, dlm_room = room - need, dlm_room - dlm_need
             for req in group:
                 if req.leader is None:
                     req.branch, _ = forest.root()
@@ -157,62 +189,118 @@ class Scheduler:
     def _loop(self) -> None:
         with self.art.exclusive("scheduler"):
             forest = Forest(self.art.tlm)
+            dlm = Forest(self.art.dlm) if "dlm" in self.art.runners else None
             while True:
                 with self._wake:
                     while not self._stop and not self.waiting and not self.live:
                         self._wake.wait()
                     if self._stop:
                         return
-                    admitted = set(map(id, self._admit(forest)))
+                    admitted = set(map(id, self._admit(forest, dlm)))
                 if self.live:
-                    self._step(forest, admitted)
+                    try:
+                        self._step(forest, dlm, admitted)
+                    except Exception as exc:  # noqa: BLE001 - the step's requests fail; the server keeps serving
+                        for req in list(self.live):
+                            self._finish(forest, dlm, req, "error", f"{type(exc).__name__}: {exc}")
 
-    def _step(self, forest: Forest, admitted: set[int]) -> None:
-        """One call for every live request: prompts of the new ones, the newest token of the others."""
+    def _step(self, forest: Forest, dlm: Forest | None, admitted: set[int]) -> None:
+        """One call for every live request: prompts of the new ones, the newest token (and this round's
+        drafts) of the others."""
         start, calls = time.perf_counter(), self.art.tlm.calls
         for req in [r for r in self.live if r.cancelled]:
-            self._finish(forest, req, "cancelled")
-        if not self.live:
-            return
+            self._finish(forest, dlm, req, "cancelled")
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
             if req.branch is None and req.leader not in self.live:
                 req.leader, req.branch = None, forest.root()[0]
+        proposals = self._propose(forest, dlm, [r for r in self.live if r.spec and id(r) not in admitted])
         fed = [r for r in self.live if r.branch is not None]
-        chains = [req.prompt if id(req) in admitted else req.tokens[-1:] for req in fed]
-        try:
-            rows = forest.extend([r.branch for r in fed], chains, check=False)
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail; the server keeps serving
-            for req in list(self.live):
-                self._finish(forest, req, "error", f"{type(exc).__name__}: {exc}")
+        if not fed:
             return
-        row_of = {id(r): row for r, row in zip(fed, rows, strict=True)}
+        chains = [req.prompt if id(req) in admitted else [req.tokens[-1], *proposals.get(id(req), NONE).tokens]
+                  for req in fed]
+        keep = [1 if id(r) in admitted else len(c) for r, c in zip(fed, chains, strict=True)]  # drafts: every row
+        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False)
+        rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
             if req.branch is None:
-                req.branch, row_of[id(req)] = forest.fork(req.leader.branch), row_of[id(req.leader)]
-        logits = np.stack([row_of[id(r)] for r in self.live])
-        now = time.perf_counter()
-        finite = np.isfinite(logits).all(axis=1)
-        for req, row, ok in zip(list(self.live), logits, finite, strict=True):
-            if not ok:  # that request's error only: a token from NaN logits would be garbage
-                self._finish(forest, req, "error", "NonFiniteLogitsError: the model produced NaN/Inf logits "
-                             "for this request (damaged weights, or values overflowing the weight format)")
+                req.branch, rows_of[id(req)] = forest.fork(req.leader.branch), rows_of[id(req.leader)]
+        now, tokens = time.perf_counter(), 0
+        for req in list(self.live):
+            (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
+            if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
+                self._finish(forest, dlm, req, "error", NON_FINITE)
                 continue
-            req.tokens.append(next_token(row, req.decoding.params, req.rng))
+            if len(proposal.tokens):
+                tree, parents, _ = proposal.rows(req.tokens[-1])
+                path, nxt = verify_round(tree, parents, proposal.q, rows, req.decoding.params, req.rng)
+                forest.trim(req.branch, s[1 + len(path):])  # the rejected drafts' KV
+                if req.dlm_fed is not None:
+                    dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
+                emitted = [*proposal.tokens[: len(path)].tolist(), nxt]
+                self.stats["drafted"] += len(proposal.tokens)
+                self.stats["accepted"] += len(path)
+            else:
+                emitted = [next_token(rows[-1], req.decoding.params, req.rng)]
             req.first_token = req.first_token or now
-            req.listener(Event(token=req.tokens[-1]))
-            reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
-            if reason:
-                self._finish(forest, req, reason)
-        self.stats["tokens"] += int(finite.sum())
+            for token in emitted:
+                req.tokens.append(token)
+                tokens += 1
+                req.listener(Event(token=token))
+                reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
+                if reason:
+                    self._finish(forest, dlm, req, reason)
+                    break
+        self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
         self.stats["busy_s"] += time.perf_counter() - start
 
-    def _finish(self, forest: Forest, req: Request, reason: str, error: str | None = None) -> None:
+    def _propose(self, forest: Forest, dlm: Forest | None, reqs: list[Request]) -> dict[int, Proposal]:
+        """This round's drafts of each speculating request: prompt lookup's match, or a chain sampled
+        from the DLM with every drafting request's i-th draft in one call."""
+        out, drafting = {}, []
+        for req in reqs:
+            room = forest.runner.context - 1 - req.branch.length
+            if req.spec.method == "prompt_lookup":
+                s = req.spec.settings
+                found = lookup(np.asarray(req.prompt + req.tokens, np.int64), s.ngram, s.max_draft)
+                out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
+            elif k := req.spec.length(room):
+                drafting.append((req, k))
+        if not drafting:
+            return out
+        for req, _ in drafting:
+            req.dlm_branch = req.dlm_branch or dlm.root()[0]
+            req.dlm_fed = None
+        drafts = {id(r): ([], []) for r, _ in drafting}  # tokens, q
+        chains = [(req.prompt + req.tokens)[req.dlm_branch.length:] for req, _ in drafting]  # catch up first
+        for i in range(max(k for _, k in drafting)):
+            rows, slots = dlm.extend_rows([r.dlm_branch for r, _ in drafting], chains, [1] * len(chains), check=False)
+            going, chains = [], []
+            for (req, k), row, s in zip(drafting, rows, slots, strict=True):
+                if i:
+                    req.dlm_fed = s if req.dlm_fed is None else np.concatenate([req.dlm_fed, s])
+                if not np.isfinite(row).all():
+                    self._finish(forest, dlm, req, "error", NON_FINITE.replace("model", "draft model"))
+                    drafts.pop(id(req))
+                    continue
+                tokens, q = drafts[id(req)]
+                q.append(warp(row[0], req.decoding.params))
+                tokens.append(int(sample(q[-1], req.rng)))
+                if i + 1 < k:
+                    going.append((req, k))
+                    chains.append(tokens[-1:])
+            drafting = going
+        return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
+
+    def _finish(self, forest: Forest, dlm: Forest | None, req: Request, reason: str, error: str | None = None
+                ) -> None:
         if req.branch is not None:
             forest.release(req.branch)
+        if req.dlm_branch is not None:
+            dlm.release(req.dlm_branch)
         self.live.remove(req)
         self.stats["finished"] += 1
         self.stats["cancelled"] += reason == "cancelled"
         req.listener(Event(finish=reason, error=error))
-

@@ -21,9 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.manifest import ArtifactError
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import CapacityError
-from runtime.request import decoding, encode_prompt
+from runtime.request import batched_speculation, decoding, encode_prompt
 from runtime.results import TextPieces
 from runtime.scheduler import Event, QueueFullError, Scheduler
 
@@ -44,6 +45,8 @@ class Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with usage, as OpenAI sends
+    speculation: str | None = None  # extension: "draft", "prompt_lookup" or "none" (unset: the server's default)
+    draft_length: int | None = Field(default=None, ge=1)  # extension: most tokens drafted per round
 
 
 class CompletionRequest(Sampling):
@@ -68,8 +71,11 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status, headers)
 
 
-def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> FastAPI:
+def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None
+               ) -> FastAPI:
+    """The app serving `art`; `speculation` is the method a request that names none uses (None: off)."""
     name = name or art.manifest.name
+    batched_speculation(art, speculation or False)  # a bad default fails at start, not per request
     scheduler = Scheduler(art, max_queue=max_queue)
     app = FastAPI(title="mxspd", lifespan=None)
     app.state.scheduler = scheduler
@@ -103,9 +109,11 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> F
         s = scheduler.stats
         counters = dict(requests_total="requests", requests_finished_total="finished",
                         requests_cancelled_total="cancelled", requests_rejected_total="rejected",
-                        generated_tokens_total="tokens", steps_total="steps", tlm_calls_total="calls")
+                        generated_tokens_total="tokens", steps_total="steps", tlm_calls_total="calls",
+                        drafted_tokens_total="drafted", accepted_tokens_total="accepted")
         lines = [f"mxspd_{key} {s[stat]}" for key, stat in counters.items()] + [
             f"mxspd_tokens_per_second {s['tokens'] / s['busy_s'] if s['busy_s'] else 0.0:.3f}",
+            f"mxspd_acceptance_rate {s['accepted'] / s['drafted'] if s['drafted'] else 0.0:.4f}",
             f"mxspd_queue_depth {len(scheduler.waiting)}", f"mxspd_batch_occupancy {len(scheduler.live)}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
@@ -113,7 +121,7 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> F
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         _check_model(body, name)
-        return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion")
+        return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion", speculation)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -122,7 +130,7 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64) -> F
             raise BadRequest(f"model {name!r} has no chat template: use /v1/completions")
         ids = list(art.tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=True,
                                                      add_generation_prompt=True, return_dict=False))
-        return await _serve(art, scheduler, body, encode(art, ids), "chat.completion")
+        return await _serve(art, scheduler, body, encode(art, ids), "chat.completion", speculation)
 
     return app
 
@@ -139,21 +147,24 @@ def encode(art: Artifact, prompt: str | list[int]) -> list[int]:
         raise BadRequest(str(exc)) from None
 
 
-async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[int], kind: str):
+async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[int], kind: str,
+                 speculation: str | None):
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    method = speculation if body.speculation is None else body.speculation
     try:
+        spec = batched_speculation(art, False if method in (None, "none") else method, body.draft_length)
         seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
         t = body.temperature
         decodings = [decoding(max_new_tokens=body.max_tokens, do_sample=None if t is None else t > 0,
                               temperature=t or None, top_k=body.top_k, top_p=body.top_p, seed=s, stop=stops)
                      for s in seeds]
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArtifactError) as exc:
         raise BadRequest(str(exc)) from None
     loop = asyncio.get_running_loop()
     queues: list[asyncio.Queue[Event]] = [asyncio.Queue() for _ in decodings]
     try:  # the choices share one prefilled prompt
         reqs = scheduler.submit_choices(ids, decodings, [lambda e, q=q: loop.call_soon_threadsafe(q.put_nowait, e)
-                                                         for q in queues])
+                                                         for q in queues], spec)
     except CapacityError as exc:
         raise BadRequest(str(exc)) from None
     meta = dict(id=f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
@@ -272,8 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
+                   help="the method of requests that name none in their 'speculation' field (default none: under "
+                        "concurrency the shared calls are already full)")
     args = p.parse_args(argv)
-    app = create_app(load_artifact(args.artifact), args.model_name, args.max_queue)
+    art = load_artifact(args.artifact)
+    try:
+        app = create_app(art, args.model_name, args.max_queue, None if args.speculation == "none" else args.speculation)
+    except (ValueError, ArtifactError) as exc:
+        p.error(str(exc))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

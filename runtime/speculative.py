@@ -23,8 +23,8 @@ from runtime.draft_policy import DraftPolicy
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup
 from runtime.proposal import Drafter, Proposal
-from runtime.rejection import verify_greedy, verify_tree
-from runtime.sampling import SamplingParams, next_token, warp
+from runtime.rejection import verify_round
+from runtime.sampling import SamplingParams, next_token
 
 
 class RoundStats:
@@ -118,9 +118,6 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         return DraftModelDrafter(art.dlm, draft_params, policy, rng)
     if method == "prompt_lookup":
         assert isinstance(settings, PromptLookupSettings)
-        if settings.max_draft >= biggest:
-            raise ValueError(f"prompt_lookup max_draft {settings.max_draft} needs a graph of T = "
-                             f"{settings.max_draft + 1}; this artifact's largest is T = {biggest}")
         fixed = draft_length or (None if settings.adaptive else settings.max_draft)
         policy = _policy(art, ("prompt_lookup", settings.ngram, settings.max_draft), lambda: DraftPolicy(
             {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt),
@@ -157,8 +154,7 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
             logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees)
             t2 = time.perf_counter()
             tree = tokens[: len(parents)]
-            path, nxt = (verify_tree(tree, parents, proposal.q, lambda i, rows=logits: warp(rows[i], params), rng)
-                         if params.do_sample else verify_greedy(tree, parents, logits))
+            path, nxt = verify_round(tree, parents, proposal.q, logits, params, rng)
             tlm.commit([0, *path])
             emitted = [*tokens[path].tolist(), nxt]
             round_s = time.perf_counter() - t0

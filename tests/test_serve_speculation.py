@@ -1,0 +1,164 @@
+"""Speculation in the scheduler and the server: concurrent requests' rounds share the scoring call."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+import runtime
+from export.pipeline import build_artifact
+from runtime.forest import CapacityError, Forest
+from runtime.request import batched_speculation, decoding
+from runtime.scheduler import Scheduler
+from runtime.serve import create_app
+from tests.conftest import tiny_recipe
+
+# Repeating prompts, so prompt lookup finds matches; one plain request rides along in every batch.
+PROMPTS = [[0, *range(40, 52), *range(40, 48)], [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
+PLAIN = [0, 77, 78]
+N = 10  # all four requests fit the cache (96 slots) at once
+
+
+@pytest.fixture(scope="module")
+def reference(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    return art
+
+
+def _run(art, spec, decodings, prompts):
+    """Submit every prompt at once (the plain one without speculation); return each one's tokens and the stats."""
+    scheduler = Scheduler(art)
+    try:
+        reqs = [scheduler.submit(p, d, spec=spec) for p, d in zip(prompts, decodings, strict=True)]
+        reqs.append(scheduler.submit(PLAIN, decoding(max_new_tokens=N, do_sample=False)))
+        out = [[e.token for e in r.events() if e.token is not None] for r in reqs]
+    finally:
+        scheduler.close()
+    return out, scheduler.stats
+
+
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifact_dir, reference, method):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    spec = batched_speculation(art, method, 2)
+    out, stats = _run(art, spec, [decoding(max_new_tokens=N, do_sample=False)] * len(PROMPTS), PROMPTS)
+    for prompt, tokens in zip([*PROMPTS, PLAIN], out, strict=True):
+        assert tokens == runtime.generate(reference, prompt, max_new_tokens=N, speculative=False).token_ids
+    assert stats["drafted"] > 0 and stats["tokens"] == len(out) * N
+    # 3 x (1 + 2 drafts) + 1 rows fit the largest graph: one call per step once the prompts are in
+    largest = max(g.tokens for g in art.tlm.graphs.values())
+    assert largest >= 10
+    prefill = -(-sum(map(len, [*PROMPTS, PLAIN])) // largest)
+    assert stats["calls"] <= stats["steps"] - 1 + prefill
+    if method == "prompt_lookup":  # greedy tiny models repeat themselves: matches get accepted
+        assert stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+def test_a_sampled_speculating_request_equals_its_single_generation(artifact_dir, reference, method):
+    """Same seed, same draft length: the same random draws in the same order, so the same tokens as
+    generate(speculative=method, draft_length=2) alone, while other requests share its calls."""
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    spec = batched_speculation(art, method, 2)
+    kw = dict(do_sample=True, temperature=0.9, top_k=40)
+    out, stats = _run(art, spec, [decoding(max_new_tokens=N, seed=5 + i, **kw) for i in range(len(PROMPTS))],
+                      PROMPTS)
+    extra = dict(prompt_lookup=dict(max_draft=2)) if method == "prompt_lookup" else {}
+    for i, (prompt, tokens) in enumerate(zip(PROMPTS, out[:-1], strict=True)):
+        alone = runtime.generate(reference, prompt, max_new_tokens=N, seed=5 + i, speculative=method, draft_length=2,
+                                 **kw, **extra)
+        assert tokens == alone.token_ids
+        assert alone.metrics.speculative["drafted"] > 0
+    assert stats["drafted"] > 0
+
+
+def test_the_cache_reserves_room_for_drafts(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    c = art.manifest.context_length
+    scheduler = Scheduler(art)
+    try:
+        prompt = list(range(10))
+        fits = decoding(max_new_tokens=c - len(prompt))  # exactly the cache without speculation
+        scheduler.submit(prompt, fits).events().__next__()
+        with pytest.raises(CapacityError, match="3 drafts"):
+            scheduler.submit(prompt, fits, spec=batched_speculation(art, "draft", 3))
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("kw, word", [
+    (dict(speculative="lookahead"), "single generations only"),
+    (dict(speculative="draft", draft_length=5), "not compiled"),
+    (dict(speculative="bogus"), "is not one of"),
+    (dict(speculative="prompt_lookup", draft_length=13), "largest is T = 13"),
+    (dict(speculative=False, draft_length=2), "not autoregressive"),
+])
+def test_bad_speculation_is_refused_clearly(reference, kw, word):
+    with pytest.raises(ValueError, match=word):
+        batched_speculation(reference, kw["speculative"], kw.get("draft_length"))
+
+
+def test_the_server_speculates_on_request_and_reports_acceptance(artifact_dir, reference):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    with TestClient(create_app(art, name="tiny")) as client:
+        for method in ("prompt_lookup", "draft", "none"):
+            r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": N, "temperature": 0,
+                                                     "speculation": method, "draft_length": 2})
+            if method == "none":  # a draft length without a method is a contradiction, not ignored
+                assert r.status_code == 400 and "draft_length" in r.json()["error"]["message"]
+                continue
+            assert r.status_code == 200
+            want = runtime.generate(reference, PROMPTS[1], max_new_tokens=N, speculative=False).text
+            assert r.json()["choices"][0]["text"] == want
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "speculation": "lookahead"})
+        assert r.status_code == 400 and "single generations only" in r.json()["error"]["message"]
+        metrics = client.get("/metrics").text
+    drafted = float(next(x for x in metrics.splitlines() if x.startswith("mxspd_drafted_tokens_total")).split()[1])
+    rate = float(next(x for x in metrics.splitlines() if x.startswith("mxspd_acceptance_rate")).split()[1])
+    assert drafted > 0 and 0 < rate <= 1
+
+
+def test_a_server_without_a_draft_model_refuses_draft_speculation(checkpoints, tmp_path):
+    path = build_artifact(tiny_recipe(dlm=None), tmp_path / "tlm-only", tlm=str(checkpoints["llama-gqa"]),
+                          progress=False)
+    art = runtime.load_artifact(path)
+    with pytest.raises(Exception, match="no draft model"):
+        create_app(art, speculation="draft")
+    with TestClient(create_app(art)) as client:
+        r = client.post("/v1/completions", json={"prompt": [0, 5], "max_tokens": 3, "speculation": "draft"})
+        assert r.status_code == 400 and "no draft model" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": [0, 5, 0, 5], "max_tokens": 3,
+                                                 "speculation": "prompt_lookup", "draft_length": 2})
+        assert r.status_code == 200
+
+
+def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(artifact_dir, reference, monkeypatch):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    real, failures = Forest.extend_rows, []
+
+    def flaky(self, *args, **kwargs):
+        if self.runner is art.dlm and not failures:  # the first drafting call breaks
+            failures.append(1)
+            raise RuntimeError("injected")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Forest, "extend_rows", flaky)
+    scheduler = Scheduler(art)
+    try:
+        req = scheduler.submit(PROMPTS[1], decoding(max_new_tokens=N, do_sample=False),
+                               spec=batched_speculation(art, "draft", 2))
+        events = [req.queue.get(timeout=60)]  # a timeout fails the test (a dead thread would hang it)
+        while events[-1].finish is None:
+            events.append(req.queue.get(timeout=60))
+        assert events[-1].finish == "error" and "injected" in events[-1].error
+        after = scheduler.submit(PROMPTS[1], decoding(max_new_tokens=N, do_sample=False),
+                                 spec=batched_speculation(art, "draft", 2))
+        tokens = [e.token for e in after.events() if e.token is not None]
+    finally:
+        scheduler.close()
+    assert tokens == runtime.generate(reference, PROMPTS[1], max_new_tokens=N, speculative=False).token_ids

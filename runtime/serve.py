@@ -161,10 +161,10 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
     except (ValueError, TypeError, ArtifactError) as exc:
         raise BadRequest(str(exc)) from None
     loop = asyncio.get_running_loop()
-    queues: list[asyncio.Queue[Event]] = [asyncio.Queue() for _ in decodings]
+    events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()  # (choice, event) of every choice
     try:  # the choices share one prefilled prompt
-        reqs = scheduler.submit_choices(ids, decodings, [lambda e, q=q: loop.call_soon_threadsafe(q.put_nowait, e)
-                                                         for q in queues], spec)
+        listeners = [lambda e, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, e)) for i in range(len(decodings))]
+        reqs = scheduler.submit_choices(ids, decodings, listeners, spec)
     except CapacityError as exc:
         raise BadRequest(str(exc)) from None
     meta = dict(id=f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
@@ -172,13 +172,17 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
     outputs = [_Output(art, stops) for _ in reqs]
     if body.stream:
         usage = len(ids) if (body.stream_options or {}).get("include_usage") else None
-        return StreamingResponse(_stream(scheduler, reqs, queues, outputs, kind, meta, usage),
+        return StreamingResponse(_stream(scheduler, reqs, events, outputs, kind, meta, usage),
                                  media_type="text/event-stream")
     try:
-        for q, out in zip(queues, outputs, strict=True):
-            while (event := await q.get()).finish is None:
-                out.add(event.token)
-            out.end(event)
+        running = len(outputs)
+        while running:
+            i, event = await events.get()
+            if event.finish is None:
+                outputs[i].add(event.token)
+            else:
+                outputs[i].end(event)
+                running -= 1
     except asyncio.CancelledError:
         for r in reqs:
             scheduler.cancel(r)
@@ -235,31 +239,34 @@ def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = 
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
 
 
-async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list, kind: str, meta: dict,
+async def _stream(scheduler: Scheduler, reqs: list, events: asyncio.Queue, outputs: list, kind: str, meta: dict,
                   usage_prompt: int | None) -> AsyncIterator[str]:
-    """Chunks as the choices grow; with usage_prompt (the prompt's tokens), a last chunk with usage."""
+    """Chunks as the choices grow, one per token; with usage_prompt (the prompt's tokens), a last
+    chunk with usage. The chunks of events that arrived together go out in one write."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-    pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+    running = len(outputs)
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                i = pending.pop(fut)
-                event, out = fut.result(), outputs[i]
+        while running:
+            batch, chunks = [await events.get()], []
+            while not events.empty():
+                batch.append(events.get_nowait())
+            for i, event in batch:
+                out = outputs[i]
                 if event.finish is None:
                     out.add(event.token)
-                    pending[asyncio.ensure_future(queues[i].get())] = i
                 else:
                     out.end(event)
+                    running -= 1
                 if event.error:
-                    payload = {"error": {"message": event.error, "type": "server_error"}}
-                    yield f"data: {json.dumps(payload)}\n\n"
+                    error = {"error": {"message": event.error, "type": "server_error"}}
+                    chunks.append(f"data: {json.dumps(error)}\n\n")
                     continue
                 text = out.new_text()  # may be "" (text held back): a chunk per token all the same
                 if event.finish is None or text or out.finish:
                     choice = _choice(kind, i, text, out.finish, delta=True, first=not out.chunks)
                     out.chunks += 1
-                    yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n"
+                    chunks.append(f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n")
+            yield "".join(chunks)
         if usage_prompt is not None:
             completion = sum(len(o.tokens) for o in outputs)
             usage = {"prompt_tokens": usage_prompt, "completion_tokens": completion,
@@ -267,8 +274,6 @@ async def _stream(scheduler: Scheduler, reqs: list, queues: list, outputs: list,
             yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a client that went away: free its sequences at the next step
-        for fut in pending:
-            fut.cancel()
         for r, out in zip(reqs, outputs, strict=True):
             if out.finish is None:
                 scheduler.cancel(r)
@@ -286,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
                    help="the method of requests that name none in their 'speculation' field (default none: under "
                         "concurrency the shared calls are already full)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime threads per call (default: every core; on a busy "
+                   "machine with a small model, 1 can be faster)")
     args = p.parse_args(argv)
-    art = load_artifact(args.artifact)
+    art = load_artifact(args.artifact, threads=args.threads)
     try:
         app = create_app(art, args.model_name, args.max_queue, None if args.speculation == "none" else args.speculation)
     except (ValueError, ArtifactError) as exc:

@@ -265,12 +265,12 @@ def test_a_stream_closed_by_its_client_cancels_its_requests():
         def cancel(self, req):
             cancelled.append(req)
 
-    queues = [asyncio.Queue(), asyncio.Queue()]
-    outputs = [_Output(SimpleNamespace(tokenizer=byte_tokenizer()), []) for _ in queues]
+    outputs = [_Output(SimpleNamespace(tokenizer=byte_tokenizer()), []) for _ in range(2)]
 
     async def scenario():
-        stream = _stream(Recorder(), ["a", "b"], queues, outputs, "text_completion", {}, None)
-        queues[0].put_nowait(Event(token=65))
+        events = asyncio.Queue()
+        stream = _stream(Recorder(), ["a", "b"], events, outputs, "text_completion", {}, None)
+        events.put_nowait((0, Event(token=65)))
         first = await stream.__anext__()
         await stream.aclose()
         return first

@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve_load [--models default-fp32,220m] [--clients 1,4,8] [--requests 4]
                                     [--max-tokens 32] [--rounds 3] [--threads N] [--mixed 200]
+                                    [--artifact DIR] [--speculation none|draft|prompt_lookup]
 
 Starts `python -m runtime.serve` in its own process (a free loopback port) for each TLM-only artifact of
 benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -130,14 +132,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per client count; the median is shown")
+    ap.add_argument("--artifact", help="serve this artifact instead of --models")
+    ap.add_argument("--speculation", default="none", help="the server's --speculation (default none)")
     ap.add_argument("--threads", type=int, help="the server's --threads (ONNX Runtime threads per call)")
     ap.add_argument("--mixed", type=int, default=0, metavar="N",
                     help="then N mixed requests (good, sampled, oversize, malformed) from 8 clients")
     args = ap.parse_args()
     print("| TLM | clients | tok/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | same as 1 client |")
     print("|---|---|---|---|---|---|---|")
-    for name, (art, _) in artifacts(args.models.split(",")).items():
-        server, url = serve(str(art.path), ["--threads", str(args.threads)] if args.threads else [])
+    extra = (["--threads", str(args.threads)] if args.threads else []) + ["--speculation", args.speculation]
+    paths = {Path(args.artifact).name: args.artifact} if args.artifact else \
+        {name: str(art.path) for name, (art, _) in artifacts(args.models.split(",")).items()}
+    for name, path in paths.items():
+        server, url = serve(path, extra)
         reference = {p: one(url, p, args.max_tokens)["text"] for p in PROMPTS}  # warms up, one at a time
         counts = list(map(int, args.clients.split(",")))
         rounds: dict[int, list] = {c: [] for c in counts}  # client counts alternate: a slow spell hits all

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common import graph_io
 from runtime.artifact import Artifact
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.prompt_lookup import lookup
@@ -260,6 +261,8 @@ class Scheduler:
         """This round's drafts of each speculating request: prompt lookup's match, or a chain sampled
         from the DLM with every drafting request's i-th draft in one call."""
         out, drafting = {}, []
+        if not self._drafting_pays(reqs):  # greedy requests take a plain step; sampled ones keep their length
+            reqs = [r for r in reqs if r.decoding.params.do_sample]
         for req in reqs:
             room = forest.runner.context - 1 - req.branch.length
             if req.spec.method == "prompt_lookup":
@@ -293,6 +296,34 @@ class Scheduler:
                     chains.append(tokens[-1:])
             drafting = going
         return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
+
+    def _drafting_pays(self, reqs: list[Request]) -> bool:
+        """Whether drafting this step is predicted to give more tokens per second than a plain step,
+        from the compiler's measured call costs and the running acceptance rate (the chain model of
+        shared/notes/spd-math.md, for the whole batch). In a full batch the drafts' rows are real
+        compute, so speculation that pays for one request can lose for four. Only greedy requests
+        follow it: their output does not depend on the draft length, a sampled request's must not
+        depend on the other requests."""
+        if not reqs:
+            return False
+        live, k = len(self.live), max(r.spec.k for r in reqs)
+        a = (self.stats["accepted"] + 2) / (self.stats["drafted"] + 4)  # a prior of 0.5, worth 4 drafts
+        gain = len(reqs) * (a - a ** (k + 1)) / (1 - a)  # the drafts expected to be accepted
+        dlm = sum(r.spec.method == "draft" for r in reqs)
+        cost = self._call_ms("tlm", live + k * len(reqs)) + (k * self._call_ms("dlm", dlm) if dlm else 0.0)
+        return (live + gain) / cost > live / self._call_ms("tlm", live)
+
+    def _call_ms(self, role: str, rows: int) -> float:
+        """The compiler's measured cost of `rows` rows in as few calls as the graphs allow (1 ms a call
+        where nothing was measured)."""
+        graphs = self.art.manifest.models[role].graphs
+        sizes = {name: g.tokens for name, g in graphs.items()}
+        full, rest = divmod(rows, max(sizes.values()))
+
+        def cost(n: int) -> float:
+            return graphs[graph_io.fitting_graph(sizes, n)].cost_ms or 1.0
+
+        return full * cost(max(sizes.values())) + (cost(rest) if rest else 0.0)
 
     def _finish(self, forest: Forest, dlm: Forest | None, req: Request, reason: str, error: str | None = None
                 ) -> None:

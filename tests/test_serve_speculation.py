@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -38,8 +40,17 @@ def _run(art, spec, decodings, prompts):
     return out, scheduler.stats
 
 
+def _set_costs(art, role, cost):
+    """Pretend the compiler measured cost(T) ms for each graph of `role`."""
+    graphs = art.manifest.models[role].graphs
+    for name, g in list(graphs.items()):
+        graphs[name] = replace(g, cost_ms=cost(g.tokens))
+
+
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
-def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifact_dir, reference, method):
+def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifact_dir, reference, method,
+                                                                        monkeypatch):
+    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)  # the policy is tested below
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
     spec = batched_speculation(art, method, 2)
@@ -101,7 +112,8 @@ def test_bad_speculation_is_refused_clearly(reference, kw, word):
         batched_speculation(reference, kw["speculative"], kw.get("draft_length"))
 
 
-def test_the_server_speculates_on_request_and_reports_acceptance(artifact_dir, reference):
+def test_the_server_speculates_on_request_and_reports_acceptance(artifact_dir, reference, monkeypatch):
+    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)  # measured costs vary by machine
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
     with TestClient(create_app(art, name="tiny")) as client:
@@ -148,6 +160,7 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(artif
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Forest, "extend_rows", flaky)
+    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)
     scheduler = Scheduler(art)
     try:
         req = scheduler.submit(PROMPTS[1], decoding(max_new_tokens=N, do_sample=False),
@@ -162,3 +175,21 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(artif
     finally:
         scheduler.close()
     assert tokens == runtime.generate(reference, PROMPTS[1], max_new_tokens=N, speculative=False).token_ids
+
+
+@pytest.mark.parametrize("scoring_is_cheap", [True, False])
+def test_greedy_requests_draft_only_when_the_measured_costs_say_it_pays(artifact_dir, reference, scoring_is_cheap):
+    """Cheap scoring rows and draft steps: greedy requests draft. Rows that cost like whole calls: they
+    step plainly, while a sampled request keeps its fixed draft length (its tokens must not depend on
+    the batch). The output is the same either way."""
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    _set_costs(art, "tlm", (lambda t: 1.0) if scoring_is_cheap else (lambda t: float(t)))
+    _set_costs(art, "dlm", (lambda t: 1e-3) if scoring_is_cheap else (lambda t: 1.0))
+    spec = batched_speculation(art, "draft", 2)
+    out, stats = _run(art, spec, [decoding(max_new_tokens=N, do_sample=False)] * 2, PROMPTS[:2])
+    for prompt, tokens in zip([*PROMPTS[:2], PLAIN], out, strict=True):
+        assert tokens == runtime.generate(reference, prompt, max_new_tokens=N, speculative=False).token_ids
+    assert (stats["drafted"] > 0) == scoring_is_cheap
+    _, stats = _run(art, spec, [decoding(max_new_tokens=N, do_sample=True, seed=1)], PROMPTS[:1])
+    assert stats["drafted"] > 0

@@ -27,6 +27,7 @@ import numpy as np
 
 from common import graph_io
 from runtime.artifact import Artifact
+from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.prompt_lookup import lookup
 from runtime.proposal import Proposal
@@ -110,6 +111,8 @@ class Scheduler:
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
                           drafted=0, accepted=0)
         self._wake = threading.Condition()
+        self.policy = BatchDraftPolicy(self._call_ms)
+        self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)
         self._thread.start()
@@ -209,6 +212,8 @@ class Scheduler:
         """One call for every live request: prompts of the new ones, the newest token (and this round's
         drafts) of the others."""
         start, calls = time.perf_counter(), self.art.tlm.calls
+        dlm_calls, self._predicted_ms = dlm.runner.calls if dlm else 0, 0.0
+        drafted, accepted = self.stats["drafted"], self.stats["accepted"]
         for req in [r for r in self.live if r.cancelled]:
             self._finish(forest, dlm, req, "cancelled")
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
@@ -221,6 +226,7 @@ class Scheduler:
         chains = [req.prompt if id(req) in admitted else [req.tokens[-1], *proposals.get(id(req), NONE).tokens]
                   for req in fed]
         keep = [1 if id(r) in admitted else len(c) for r, c in zip(fed, chains, strict=True)]  # drafts: every row
+        self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False)
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
@@ -252,19 +258,25 @@ class Scheduler:
                 if reason:
                     self._finish(forest, dlm, req, reason)
                     break
+        elapsed = time.perf_counter() - start
+        all_calls = self.art.tlm.calls - calls + (dlm.runner.calls - dlm_calls if dlm else 0)
+        self.policy.observe(self.stats["drafted"] - drafted, self.stats["accepted"] - accepted, elapsed * 1e3,
+                            self._predicted_ms, all_calls)
         self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
-        self.stats["busy_s"] += time.perf_counter() - start
+        self.stats["busy_s"] += elapsed
 
     def _propose(self, forest: Forest, dlm: Forest | None, reqs: list[Request]) -> dict[int, Proposal]:
         """This round's drafts of each speculating request: prompt lookup's match, or a chain sampled
         from the DLM with every drafting request's i-th draft in one call."""
         out, drafting = {}, []
-        if not self._drafting_pays(reqs):  # greedy requests take a plain step; sampled ones keep their length
-            reqs = [r for r in reqs if r.decoding.params.do_sample]
+        greedy = [r for r in reqs if not r.decoding.params.do_sample]  # sampled ones keep their fixed length
+        k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
+                                      max(r.spec.k for r in greedy)) if greedy else 0
         for req in reqs:
-            room = forest.runner.context - 1 - req.branch.length
+            room = min(req.spec.k if req.decoding.params.do_sample else k_greedy,
+                       forest.runner.context - 1 - req.branch.length)
             if req.spec.method == "prompt_lookup":
                 s = req.spec.settings
                 found = lookup(np.asarray(req.prompt + req.tokens, np.int64), s.ngram, s.max_draft)
@@ -279,6 +291,7 @@ class Scheduler:
         drafts = {id(r): ([], []) for r, _ in drafting}  # tokens, q
         chains = [(req.prompt + req.tokens)[req.dlm_branch.length:] for req, _ in drafting]  # catch up first
         for i in range(max(k for _, k in drafting)):
+            self._predicted_ms += self._call_ms("dlm", sum(map(len, chains)))[0]
             rows, slots = dlm.extend_rows([r.dlm_branch for r, _ in drafting], chains, [1] * len(chains), check=False)
             going, chains = [], []
             for (req, k), row, s in zip(drafting, rows, slots, strict=True):
@@ -297,25 +310,9 @@ class Scheduler:
             drafting = going
         return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
 
-    def _drafting_pays(self, reqs: list[Request]) -> bool:
-        """Whether drafting this step is predicted to give more tokens per second than a plain step,
-        from the compiler's measured call costs and the running acceptance rate (the chain model of
-        shared/notes/spd-math.md, for the whole batch). In a full batch the drafts' rows are real
-        compute, so speculation that pays for one request can lose for four. Only greedy requests
-        follow it: their output does not depend on the draft length, a sampled request's must not
-        depend on the other requests."""
-        if not reqs:
-            return False
-        live, k = len(self.live), max(r.spec.k for r in reqs)
-        a = (self.stats["accepted"] + 2) / (self.stats["drafted"] + 4)  # a prior of 0.5, worth 4 drafts
-        gain = len(reqs) * (a - a ** (k + 1)) / (1 - a)  # the drafts expected to be accepted
-        dlm = sum(r.spec.method == "draft" for r in reqs)
-        cost = self._call_ms("tlm", live + k * len(reqs)) + (k * self._call_ms("dlm", dlm) if dlm else 0.0)
-        return (live + gain) / cost > live / self._call_ms("tlm", live)
-
-    def _call_ms(self, role: str, rows: int) -> float:
+    def _call_ms(self, role: str, rows: int) -> tuple[float, int]:
         """The compiler's measured cost of `rows` rows in as few calls as the graphs allow (1 ms a call
-        where nothing was measured)."""
+        where nothing was measured), and the number of calls."""
         graphs = self.art.manifest.models[role].graphs
         sizes = {name: g.tokens for name, g in graphs.items()}
         full, rest = divmod(rows, max(sizes.values()))
@@ -323,7 +320,7 @@ class Scheduler:
         def cost(n: int) -> float:
             return graphs[graph_io.fitting_graph(sizes, n)].cost_ms or 1.0
 
-        return full * cost(max(sizes.values())) + (cost(rest) if rest else 0.0)
+        return full * cost(max(sizes.values())) + (cost(rest) if rest else 0.0), full + bool(rest)
 
     def _finish(self, forest: Forest, dlm: Forest | None, req: Request, reason: str, error: str | None = None
                 ) -> None:

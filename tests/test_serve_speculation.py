@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 import runtime
 from export.pipeline import build_artifact
+from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import CapacityError, Forest
 from runtime.request import batched_speculation, decoding
 from runtime.scheduler import Scheduler
@@ -19,6 +20,10 @@ from tests.conftest import tiny_recipe
 PROMPTS = [[0, *range(40, 52), *range(40, 48)], [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
 PLAIN = [0, 77, 78]
 N = 10  # all four requests fit the cache (96 slots) at once
+
+
+def ALWAYS_DRAFT(self, live, drafting, with_dlm, k_max):  # noqa: N802 - a stand-in for the cost-based policy
+    return k_max
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,7 @@ def _set_costs(art, role, cost):
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
 def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifact_dir, reference, method,
                                                                         monkeypatch):
-    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)  # the policy is tested below
+    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)  # the policy is tested below
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
     spec = batched_speculation(art, method, 2)
@@ -113,7 +118,7 @@ def test_bad_speculation_is_refused_clearly(reference, kw, word):
 
 
 def test_the_server_speculates_on_request_and_reports_acceptance(artifact_dir, reference, monkeypatch):
-    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)  # measured costs vary by machine
+    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)  # measured costs vary by machine
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
     with TestClient(create_app(art, name="tiny")) as client:
@@ -160,7 +165,7 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_keeps_serving(artif
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Forest, "extend_rows", flaky)
-    monkeypatch.setattr(Scheduler, "_drafting_pays", lambda self, reqs: True)
+    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)
     scheduler = Scheduler(art)
     try:
         req = scheduler.submit(PROMPTS[1], decoding(max_new_tokens=N, do_sample=False),
@@ -193,3 +198,37 @@ def test_greedy_requests_draft_only_when_the_measured_costs_say_it_pays(artifact
     assert (stats["drafted"] > 0) == scoring_is_cheap
     _, stats = _run(art, spec, [decoding(max_new_tokens=N, do_sample=True, seed=1)], PROMPTS[:1])
     assert stats["drafted"] > 0
+
+
+def _costs(tlm, dlm=lambda rows: 0.1):
+    """call_ms for a policy: one call holds 16 rows; tlm(rows) and dlm(rows) ms per call."""
+    def call_ms(role, rows):
+        calls = -(-rows // 16)
+        fn = tlm if role == "tlm" else dlm
+        return sum(fn(min(16, rows - 16 * i)) for i in range(calls)), calls
+    return call_ms
+
+
+def test_the_batch_policy_drafts_alone_and_steps_plainly_in_a_full_batch():
+    sublinear = _costs(lambda rows: 3.0 + 0.3 * rows)  # weight-bound: extra rows are cheap
+    policy = BatchDraftPolicy(sublinear)
+    policy.observe(40, 30, 0.0, 0.0, 0)  # acceptance 0.73
+    assert policy.choose(live=1, drafting=1, with_dlm=1, k_max=4) >= 3
+    assert policy.choose(live=16, drafting=16, with_dlm=16, k_max=4) == 0  # the drafts need more calls
+    linear = BatchDraftPolicy(_costs(lambda rows: 1.0 * rows))  # compute-bound: a row costs a step
+    linear.observe(40, 30, 0.0, 0.0, 0)
+    assert linear.choose(live=1, drafting=1, with_dlm=1, k_max=4) == 0
+    low = BatchDraftPolicy(sublinear)
+    low.observe(40, 2, 0.0, 0.0, 0)  # acceptance 0.1: drafting does not pay even alone
+    assert low.choose(live=1, drafting=1, with_dlm=1, k_max=4) == 0
+
+
+def test_the_batch_policy_probes_and_learns_host_time():
+    policy = BatchDraftPolicy(_costs(lambda rows: 1.0 * rows), probe_every=5)
+    choices = [policy.choose(live=1, drafting=1, with_dlm=1, k_max=4) for _ in range(10)]
+    assert choices == [0, 0, 0, 0, 1] * 2  # a probe with k = 1 after every 5th plain step
+    policy.observe(0, 0, step_ms=5.0, predicted_ms=3.0, calls=2)
+    assert policy.host_ms == pytest.approx(1.0)  # 2 ms unexplained over 2 calls
+    policy.observe(10, 10, 0.0, 0.0, 0)
+    policy.observe(10, 0, 0.0, 0.0, 0)
+    assert policy.acceptance() == pytest.approx((0.9 * 10 + 0 + 2) / (0.9 * 10 + 10 + 4))  # recent text weighs more

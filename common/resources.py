@@ -10,10 +10,12 @@ import os
 import shutil
 from pathlib import Path
 
+from common.manifest import ArtifactError
+
 GIB = 1 << 30
 
 
-class DoesNotFitError(RuntimeError):
+class DoesNotFitError(ArtifactError):
     """A configuration that needs more memory or disk than this machine has."""
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate
+from common.resources import DoesNotFitError
 from export.loader import ModelNotFoundError, is_available
 from recipes import DEFAULT_RECIPE, get_recipe, recipe_names
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = validate(replace(recipe, tlm=tlm))
         out = args.out or Path("artifacts") / recipe.name
         path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force)
-    except (RecipeError, ModelNotFoundError, VocabularyMismatchError, ValueError) as exc:
+    except (RecipeError, ModelNotFoundError, VocabularyMismatchError, DoesNotFitError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

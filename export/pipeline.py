@@ -13,6 +13,7 @@ from common import graph_io
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler.build import compile_artifact
+from export.fit import check_export_fits
 from export.loader import check_finite, load_model, resolve_model_dir
 from export.onnx_export import export_model
 from quant.onnx_pass import float16_export, quantize_export
@@ -80,6 +81,7 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
+    check_export_fits(dirs, {role: len(graph_plan(recipe, role)) for role in specs}, specs, out_dir)
     models = {role: load_model(d, recipe.context_length, progress=progress) for role, d in dirs.items()}
     for role, model in models.items():
         check_finite(model, role.upper())

@@ -10,7 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from common.manifest import ArtifactError, Manifest, read_manifest
+from common.resources import check_memory
 from compiler.targets import check_prepacked, check_target
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
@@ -79,6 +82,20 @@ def _return_freed_heap() -> None:
         pass  # not glibc: nothing to ask
 
 
+def memory_needed(path: Path, manifest: Manifest) -> int:
+    """Bytes a loaded artifact keeps in use: the prepacked half of each weights file (a file holds
+    the raw weights, read once at load, and their prepacked form, read every step; estimated as
+    half), the KV cache and each graph's input and output buffers."""
+    total = 0
+    for entry in manifest.models.values():
+        total += (path / entry.weights).stat().st_size // 2
+        d, c = entry.dims, manifest.context_length
+        kv = 2 * d.n_layers * d.n_kv_heads * d.head_dim * np.dtype(d.kv_dtype).itemsize
+        total += kv * c * manifest.batch_size
+        total += sum(g.tokens * (kv + 4 * (d.vocab_size + c + g.tokens)) for g in entry.graphs.values())
+    return total
+
+
 def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None) -> Artifact:
     """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError,
     TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime version)."""
@@ -87,6 +104,8 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     manifest = read_manifest(path, verify=verify)
     check_target(manifest.target)
     check_prepacked(manifest.prepacked_for)
+    check_memory(memory_needed(path, manifest), f"artifact {path}",
+                 "half of each weights file, the form a decode step reads, plus the KV caches and buffers")
     try:
         tokenizer = Tokenizer(path / manifest.tokenizer_dir)
     except Exception as exc:  # noqa: BLE001 - a missing or damaged tokenizer file, whatever the parser raises

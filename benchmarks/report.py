@@ -1,6 +1,7 @@
 """Per-recipe tokens/s report: the four configurations of the Qualcomm article's Figure 7, side by side.
 
     python -m benchmarks.report [--recipe tiny-stdlib-spd] [--out reports] [--repeats 1] [--warmup 1]
+                                [--tlm DIR] [--dlm DIR]
 
 Configurations: baseline (unquantized TLM, autoregressive), MXFP6 TLM autoregressive, unquantized
 speculative decoding, MXFP6 + speculative decoding. Two artifacts are built (cached while the
@@ -8,7 +9,8 @@ recipe is unchanged): the recipe with its TLM unquantized, and with its TLM in M
 format, fp6_e2m3 fused if it names none); both carry the recipe's DLM. Runs alternate between
 configurations prompt by prompt so machine drift hits all alike. Every run is greedy, and the
 report checks that speculative output equals autoregressive output of the same compiled TLM.
-Writes report.json, report.md and report.png under OUT/RECIPE/.
+Writes report.json, report.md and report.png under OUT/RECIPE/. A configuration whose artifact
+does not fit this machine (export or load) is reported as "does not fit", with the estimate.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,7 @@ import onnxruntime as ort
 
 import runtime
 from benchmarks.variants import build_cached, variant
+from common.resources import DoesNotFitError
 from compiler.targets import PROVIDERS
 from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
@@ -162,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's max_new_tokens")
+    parser.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
+    parser.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
+    for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
+        if path and getattr(recipe, role) is not None:
+            recipe = replace(recipe, **{role: replace(getattr(recipe, role), model=path)})
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
     if recipe.dlm is None or not recipe.prompts:
@@ -180,9 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fmt = recipe.tlm.mx_format or "fp6_e2m3"
     lowering = recipe.tlm.mx_lowering if recipe.tlm.mx_format else "fused"
-    dirs = {"fp32": build_cached(variant(recipe, None), out / "fp32"),
-            "mxfp6": build_cached(variant(recipe, fmt, lowering), out / "mxfp6")}
-    arts = {k: runtime.load_artifact(d) for k, d in dirs.items()}
+    dirs, arts, unfit = {}, {}, {}
+    for which, variant_recipe in (("fp32", variant(recipe, None)), ("mxfp6", variant(recipe, fmt, lowering))):
+        try:
+            dirs[which] = build_cached(variant_recipe, out / which)
+            arts[which] = runtime.load_artifact(dirs[which])
+        except DoesNotFitError as exc:
+            unfit[which] = str(exc)
+    if unfit:
+        return _does_not_fit(recipe, out, unfit)
     runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats)
     rows = {name: summarize(r) for name, r in runs.items()}
     memory = {k: memory_mib(d) for k, d in dirs.items()}
@@ -198,6 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     print(f"wrote {out}/report.json, report.md, report.png")
     return 0 if all(all(v) for v in report["greedy_spd_equals_ar"].values()) else 1
+
+
+def _does_not_fit(recipe, out: Path, unfit: dict[str, str]) -> int:
+    """A report whose configurations say which do not fit and why (it compares all four side by side,
+    so none is measured when one of the two artifacts does not fit)."""
+    rows = {name: f"does not fit: {unfit[which]}" if which in unfit else "fits; not measured (its counterpart "
+            "does not)" for name, (which, _) in CONFIGS.items()}
+    report = {"meta": {"recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model},
+              "status": "does not fit", "configs": rows}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    text = "\n".join([f"# {recipe.name}: tokens/s report", "", "| configuration | status |", "|---|---|",
+                      *[f"| {name} | {row} |" for name, row in rows.items()]]) + "\n"
+    (out / "report.md").write_text(text)
+    print(text)
+    return 2
 
 
 if __name__ == "__main__":

@@ -50,6 +50,23 @@ def test_report_states_missing_weights(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+def test_report_marks_configurations_that_do_not_fit(checkpoints, tmp_path, monkeypatch, capsys):
+    """With --tlm/--dlm overrides and a machine too small: every row says why, nothing is built."""
+    import common.resources as resources
+
+    monkeypatch.setattr(resources, "available_memory", lambda: 1 << 20)
+    recipe = write_recipe(tmp_path / "r.toml", "unused/tlm", "unused/dlm")
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--tlm", str(checkpoints["llama-gqa"]),
+                        "--dlm", str(checkpoints["draft"])]) == 2
+    out = tmp_path / "out" / "tiny-report"
+    data = json.loads((out / "report.json").read_text())
+    assert data["status"] == "does not fit" and list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
+    assert all(row.startswith("does not fit: exporting TLM") and "GiB available" in row
+               for row in data["configs"].values())
+    assert "| baseline | does not fit" in (out / "report.md").read_text()
+    assert not (out / "fp32").exists()
+
+
 def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints):
     """Teacher-forced perplexity through the compiled graphs equals transformers' on the same windows."""
     import numpy as np

@@ -12,18 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from common.recipe import ModelSpec
 from common.resources import GIB, check_disk, check_memory
+from export.loader import read_config
 
 BASELINE = GIB // 2  # the interpreter, torch and onnx before any model
 ARTIFACT_BYTES_PER_PARAMETER = {"mx": 3.5, "float": 7.4}  # weights.bin: raw + prepacked (measured)
 
 
-def parameter_count(model_dir: Path, trust_remote_code: bool = False) -> int:
+def parameter_count(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> int:
     """Parameters of a checkpoint, from its config alone (the model is built on the meta device)."""
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    config = read_config(model_dir, context_length, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return sum(p.numel() for p in model.parameters())
@@ -47,9 +48,10 @@ def export_disk(params: dict[str, int], graphs: dict[str, int], specs: dict[str,
 
 
 def check_export_fits(dirs: dict[str, Path], graphs: dict[str, int], specs: dict[str, ModelSpec],
-                      out_dir: Path) -> None:
-    """Refuse an export that would be killed for memory or fill the disk, before it loads anything."""
-    params = {role: parameter_count(d) for role, d in dirs.items()}
+                      out_dir: Path, context_length: int) -> None:
+    """Refuse an export that would be killed for memory or fill the disk, before it loads anything
+    (an unreadable or unsupported config is refused here too, as loading would)."""
+    params = {role: parameter_count(d, context_length) for role, d in dirs.items()}
     sizes = ", ".join(f"{role.upper()} {p / 1e9:.2f}B parameters" for role, p in params.items())
     check_memory(export_memory(params, graphs), f"exporting {sizes}",
                  "float32 weights held by torch and by each traced graph; this exporter does not stream yet")

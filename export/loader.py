@@ -79,14 +79,20 @@ class CheckpointError(ValueError):
     """A local checkpoint that exists but cannot be used (unreadable config, NaN weights)."""
 
 
-def load_model(
-    model_dir: Path, context_length: int, trust_remote_code: bool = False, progress: bool = True
-) -> PreTrainedModel:
+def read_config(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The checkpoint's config, checked to be readable and supported at this context length."""
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{Path(model_dir) / 'config.json'} cannot be read as a model config: {exc}") from None
     check_supported(config, context_length)
+    return config
+
+
+def load_model(
+    model_dir: Path, context_length: int, trust_remote_code: bool = False, progress: bool = True
+) -> PreTrainedModel:
+    read_config(model_dir, context_length, trust_remote_code)
     was_enabled = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()

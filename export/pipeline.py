@@ -81,7 +81,8 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
-    check_export_fits(dirs, {role: len(graph_plan(recipe, role)) for role in specs}, specs, out_dir)
+    check_export_fits(dirs, {role: len(graph_plan(recipe, role)) for role in specs}, specs, out_dir,
+                      recipe.context_length)
     models = {role: load_model(d, recipe.context_length, progress=progress) for role, d in dirs.items()}
     for role, model in models.items():
         check_finite(model, role.upper())

@@ -52,7 +52,7 @@ def test_an_artifact_that_does_not_fit_in_memory_is_refused_before_loading(artif
 def test_the_parameter_count_comes_from_the_config_alone(checkpoints):
     for kind in ("llama-gqa", "draft"):
         model = AutoModelForCausalLM.from_pretrained(checkpoints[kind])
-        assert parameter_count(checkpoints[kind]) == model.num_parameters()
+        assert parameter_count(checkpoints[kind], 64) == model.num_parameters()
 
 
 def test_a_real_shaped_checkpoint_is_written_tensor_by_tensor(tmp_path):

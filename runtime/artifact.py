@@ -88,7 +88,8 @@ def memory_needed(path: Path, manifest: Manifest) -> int:
     half), the KV cache and each graph's input and output buffers."""
     total = 0
     for entry in manifest.models.values():
-        total += (path / entry.weights).stat().st_size // 2
+        weights = path / entry.weights
+        total += weights.stat().st_size // 2 if weights.is_file() else 0  # a missing file: refused when loaded
         d, c = entry.dims, manifest.context_length
         kv = 2 * d.n_layers * d.n_kv_heads * d.head_dim * np.dtype(d.kv_dtype).itemsize
         total += kv * c * manifest.batch_size

@@ -17,7 +17,7 @@ from ray import serve
 
 from common.manifest import read_manifest
 from runtime.artifact import load_artifact
-from runtime.serve import create_app
+from runtime.serve import create_app, positive
 
 
 @serve.ingress()
@@ -51,16 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m runtime.ray_serve", description=__doc__)
     p.add_argument("artifact")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=positive, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="a running Ray cluster to join (default: start a local instance)")
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests per replica before 429 (default 64)")
+    p.add_argument("--max-queue", type=positive, default=64,
+                   help="waiting requests per replica before 429 (default 64)")
     p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
                    help="the method of requests that name none (default none)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--threads", type=int, help="ONNX Runtime threads per replica (default: its own choice)")
+    p.add_argument("--threads", type=positive, help="ONNX Runtime threads per replica (default: its own choice)")
     args = p.parse_args(argv)
     try:
         app = application(args.artifact, args.replicas, args.model_name, args.max_queue,

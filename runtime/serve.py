@@ -279,6 +279,14 @@ async def _stream(scheduler: Scheduler, reqs: list, events: asyncio.Queue, outpu
                 scheduler.cancel(r)
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -287,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+    p.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429 (default 64)")
     p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
                    help="the method of requests that name none in their 'speculation' field (default none: under "
                         "concurrency the shared calls are already full)")
-    p.add_argument("--threads", type=int, help="ONNX Runtime threads per call (default: every core; on a busy "
+    p.add_argument("--threads", type=positive, help="ONNX Runtime threads per call (default: every core; on a busy "
                    "machine with a small model, 1 can be faster)")
     args = p.parse_args(argv)
     art = load_artifact(args.artifact, threads=args.threads)

@@ -232,3 +232,26 @@ def test_the_batch_policy_probes_and_learns_host_time():
     policy.observe(10, 10, 0.0, 0.0, 0)
     policy.observe(10, 0, 0.0, 0.0, 0)
     assert policy.acceptance() == pytest.approx((0.9 * 10 + 0 + 2) / (0.9 * 10 + 10 + 4))  # recent text weighs more
+
+
+@pytest.mark.parametrize("module, args, word", [
+    ("runtime.serve", ["--threads", "0"], "--threads: must be >= 1"),
+    ("runtime.serve", ["--max-queue", "-3"], "--max-queue: must be >= 1"),
+    ("runtime.ray_serve", ["--replicas", "0"], "--replicas: must be >= 1"),
+])
+def test_server_clis_refuse_bad_numbers(artifact_dir, module, args, word, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main([str(artifact_dir), *args])
+    assert exit_info.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_the_server_cli_refuses_draft_speculation_without_a_draft_model(checkpoints, tmp_path, capsys):
+    from runtime.serve import main
+
+    path = build_artifact(tiny_recipe(dlm=None), tmp_path / "tlm-only", tlm=str(checkpoints["llama-gqa"]),
+                          progress=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--speculation", "draft"])
+    assert exit_info.value.code == 2 and "no draft model" in capsys.readouterr().err

@@ -42,17 +42,26 @@ def finish_reason(art: Artifact, ids: Sequence[int], stop: Sequence[str], max_ne
 
 
 class TextPieces:
-    """Tokens in, text pieces out, as they come; an incomplete multi-byte character waits for the rest."""
+    """Tokens in, text pieces out, as they come; an incomplete multi-byte character waits for the rest.
+
+    Each token decodes a short window, not the whole text (which would make a long generation
+    quadratic): the ids from the start of the last piece on, against the same window without the
+    ids not shown yet. Both decodes start at the same id, so what a tokenizer does at the start of
+    a text (a stripped leading space) cancels out, as in TGI's and vLLM's detokenizers.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+        self.start = self.read = 0  # ids[start:read] decode to the end of the text shown so far
 
     def add(self, token: int) -> str | None:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        before = self.tokenizer.decode(self.ids[self.start : self.read], skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids[self.start :], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return None
-        piece, self.shown = text[len(self.shown):], text
+        piece = text[len(before) :]
+        self.start, self.read, self.shown = self.read, len(self.ids), self.shown + piece
         return piece
 
     def rest(self, final_text: str) -> str:

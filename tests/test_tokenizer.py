@@ -75,3 +75,57 @@ def test_the_runtime_and_the_server_import_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'onnx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _llama_like(tmp_path):
+    """A SentencePiece-style tokenizer as Llama's: Metaspace pieces, byte fallback, one leading space stripped."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "▁the", "▁a", "é", "ab", "▁ab", "c", "▁c", "d", "\u2581\u00e9"]:
+        vocab.setdefault(piece, len(vocab))
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    return Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["default-pair", "byte-level-bpe", "llama-like"])
+def test_text_pieces_equal_the_whole_decode_at_every_token(kind, tmp_path):
+    """Windowed decoding (O(1) per token) shows exactly the full decode whenever that is whole
+    characters, never retracts from valid text, and the rest completes it."""
+    import numpy as np
+
+    from benchmarks.make_checkpoint import write_tokenizer
+    from runtime.results import TextPieces
+
+    if kind == "default-pair":
+        tok = Tokenizer(builtin_model_dir("stdlib-tlm"))
+    elif kind == "byte-level-bpe":
+        write_tokenizer(tmp_path, 400, "<s>", "</s>", None)
+        tok = Tokenizer(tmp_path)
+    else:
+        tok = _llama_like(tmp_path)
+    vocab = tok.backend.get_vocab_size()
+    rng = np.random.default_rng(0)
+    words = ["a", " the", " ab", "c", " d", "é", "€", "😀", " ", "x"]
+    for _ in range(60):
+        ids, pieces = [], TextPieces(tok)
+        if kind == "llama-like":  # byte fallback invalidates a whole run of bytes, so no random bytes: real text
+            sample = tok("".join(rng.choice(words, size=int(rng.integers(1, 20)))), add_special_tokens=False)
+        else:  # random ids, broken UTF-8 included
+            sample = {"input_ids": rng.integers(0, vocab, size=int(rng.integers(1, 40))).tolist()}
+        final = tok.decode(sample["input_ids"], skip_special_tokens=True)
+        for token in sample["input_ids"]:
+            ids.append(token)
+            pieces.add(token)
+            full = tok.decode(ids, skip_special_tokens=True)
+            if "\ufffd" not in full:  # (byte fallback shows a split character's whole run as U+FFFD meanwhile)
+                assert pieces.shown == full
+            if "\ufffd" not in final:
+                assert final.startswith(pieces.shown)  # never retracted
+        assert pieces.shown + pieces.rest(final) == final

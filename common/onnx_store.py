@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -59,25 +60,32 @@ class _SharedFile:
         return self.offsets[key]
 
 
-def _save_all(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name: str, place) -> dict[str, Path]:
-    """Write out_dir/weights_name through `place(shared_file, key, model)`, then each model's .onnx."""
+Models = dict[str, onnx.ModelProto] | Iterable[tuple[str, onnx.ModelProto]]
+
+
+def _save_all(models: Models, out_dir: Path, weights_name: str, place) -> dict[str, Path]:
+    """Write out_dir/weights_name through `place(shared_file, key, model)`, then each model's .onnx.
+
+    `models` may be a generator of (key, model): each model is then written and dropped before the
+    next is made, so only one graph's weights are in memory at a time."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
     with open(out_dir / weights_name, "wb") as wf:
         shared = _SharedFile(wf)
-        for key, model in models.items():
+        for key, model in models.items() if isinstance(models, dict) else models:
             place(shared, key, model)
             path = out_dir / f"{key}.onnx"
             with open(path, "wb") as f:
                 f.write(model.SerializeToString())
             written[key] = path
+            del model  # before the generator makes the next one
         wf.flush()
         os.fsync(wf.fileno())
     return written
 
 
-def save_shared(models: dict[str, onnx.ModelProto], out_dir: Path, weights_name: str) -> dict[str, Path]:
+def save_shared(models: Models, out_dir: Path, weights_name: str) -> dict[str, Path]:
     """Save each model as out_dir/<key>.onnx; large initializers go once into out_dir/weights_name."""
 
     def place(shared: _SharedFile, key: str, model: onnx.ModelProto) -> None:

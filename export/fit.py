@@ -1,10 +1,10 @@
 """What an export needs in memory and on disk, from the checkpoints' configs, before any weight is loaded.
 
-The estimates describe this exporter as it is: it loads each model in float32, keeps every traced
-graph of a model (weights inline) until all are saved, and the compiler keeps each graph's
-optimised copy (weights and prepacked blobs) until it merges them. Measured on the llama2-7b-spd
-recipe with two 162M-parameter models (benchmarks.make_checkpoint llama-160m as TLM and DLM): peak
-RSS 8.82 GiB against 8.97 predicted, peak disk 7.43 GiB against 8.0 (docs/benchmarks.md).
+The estimates describe this exporter as it is: it loads each model in float32 and traces its
+graphs one at a time (each saved before the next), and the compiler keeps each graph's optimised
+copy (weights and prepacked blobs) until it merges them. Measured on the llama2-7b-spd recipe
+with two 162M-parameter models (benchmarks.make_checkpoint llama-160m as TLM and DLM): peak RSS
+4.22 GiB against 4.43 predicted, peak disk 7.43 GiB against 8.0 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def parameter_count(model_dir: Path, context_length: int, trust_remote_code: boo
     return sum(p.numel() for p in model.parameters())
 
 
-def export_memory(params: dict[str, int], graphs: dict[str, int]) -> int:
-    """Peak bytes: every model in float32, and while a model is traced, its graphs (one float32 copy
-    each, kept until saved) plus about four copies in flight in the ONNX exporter (fitted)."""
+def export_memory(params: dict[str, int]) -> int:
+    """Peak bytes: every model in float32, and while one graph is traced, about 4.5 more float32
+    copies of that model in the ONNX exporter (fitted; each graph is saved before the next)."""
     loaded = sum(4 * p for p in params.values())
-    tracing = max(4 * params[role] * (graphs[role] + 4) for role in params)
-    return BASELINE + loaded + tracing
+    return BASELINE + loaded + int(max(4 * 4.5 * p for p in params.values()))
 
 
 def export_disk(params: dict[str, int], graphs: dict[str, int], specs: dict[str, ModelSpec]) -> int:
@@ -53,7 +52,8 @@ def check_export_fits(dirs: dict[str, Path], graphs: dict[str, int], specs: dict
     (an unreadable or unsupported config is refused here too, as loading would)."""
     params = {role: parameter_count(d, context_length) for role, d in dirs.items()}
     sizes = ", ".join(f"{role.upper()} {p / 1e9:.2f}B parameters" for role, p in params.items())
-    check_memory(export_memory(params, graphs), f"exporting {sizes}",
-                 "float32 weights held by torch and by each traced graph; this exporter does not stream yet")
+    check_memory(export_memory(params), f"exporting {sizes}",
+                 "float32 weights in torch and in the ONNX exporter while a graph is traced; the exporter "
+                 "does not stream yet")
     check_disk(export_disk(params, graphs, specs), out_dir.parent, f"exporting {sizes}",
                "float32 exports, the artifact, and the compiler's per-graph copies")

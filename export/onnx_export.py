@@ -12,6 +12,7 @@ import json
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -133,12 +134,14 @@ def export_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = _parameter_names(model)
-    graphs: dict[str, onnx.ModelProto] = {}
-    for key, tokens in tqdm(graph_tokens.items(), desc=f"export {source or 'model'}", disable=not progress):
-        graph = trace_graph(model, tokens, context_length, batch)
-        _rename_initializers(graph, names)
-        graphs[key] = graph
-    save_shared(graphs, out_dir, WEIGHTS_FILE)
+
+    def traced() -> Iterator[tuple[str, onnx.ModelProto]]:  # one at a time: each is saved before the next
+        for key, tokens in tqdm(graph_tokens.items(), desc=f"export {source or 'model'}", disable=not progress):
+            graph = trace_graph(model, tokens, context_length, batch)
+            _rename_initializers(graph, names)
+            yield key, graph
+
+    save_shared(traced(), out_dir, WEIGHTS_FILE)
     dims = model_dims(model)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = model.config.eos_token_id if eos is None else eos

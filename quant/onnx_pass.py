@@ -14,6 +14,7 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -164,13 +165,17 @@ def _rewrite_export(export_dir: Path, rewrite, desc: str, progress: bool, **info
     """
     export_dir = Path(export_dir)
     info = json.loads((export_dir / "export.json").read_text())
-    models, cache = {}, {}
-    for name in tqdm(info["graphs"], desc=desc, disable=not progress):
-        models[name] = load_with_weights(export_dir / f"{name}.onnx")
-        if not rewrite(models[name], cache):
-            raise ValueError(f"graph {name!r} of {export_dir} has no weights for {desc}")
+    cache: dict = {}
+
+    def rewritten() -> Iterator[tuple[str, onnx.ModelProto]]:  # one graph's weights in memory at a time
+        for name in tqdm(info["graphs"], desc=desc, disable=not progress):
+            model = load_with_weights(export_dir / f"{name}.onnx")
+            if not rewrite(model, cache):
+                raise ValueError(f"graph {name!r} of {export_dir} has no weights for {desc}")
+            yield name, model
+
     with tempfile.TemporaryDirectory(dir=export_dir) as tmp:
-        for path in save_shared(models, Path(tmp), info["weights"]).values():
+        for path in save_shared(rewritten(), Path(tmp), info["weights"]).values():
             onnx.checker.check_model(str(path), full_check=True)
         for f in Path(tmp).iterdir():
             f.replace(export_dir / f.name)

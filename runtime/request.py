@@ -91,6 +91,11 @@ def largest_graph(art: Artifact) -> int:
     return max(g.tokens for g in art.manifest.models["tlm"].graphs.values())
 
 
+def scoring_draft_lengths(art: Artifact) -> list[int]:
+    """The compiled draft lengths whose k + 1 rows fit one call."""
+    return [k for k in graph_io.draft_lengths(art.manifest.k) if k < largest_graph(art)]
+
+
 def check_draft_length(art: Artifact, method: str | None, settings: object, draft_length: object) -> None:
     if draft_length is None:
         return
@@ -137,7 +142,7 @@ def batched_speculation(art: Artifact, speculative: object, draft_length: object
     if method is None:
         return None
     if method == "draft":
-        ks = [k for k in graph_io.draft_lengths(art.manifest.k) if k < largest_graph(art)]
+        ks = scoring_draft_lengths(art)
         cap = draft_length or max(ks)
         return Speculation(method, (0, *[k for k in ks if k <= cap]))
     assert isinstance(settings, PromptLookupSettings)

@@ -24,6 +24,7 @@ from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup
 from runtime.proposal import Drafter, Proposal
 from runtime.rejection import verify_round
+from runtime.request import largest_graph, scoring_draft_lengths
 from runtime.sampling import SamplingParams, next_token
 
 
@@ -104,14 +105,14 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
     """The drafter for `method`, with its policy costed from the compiler's measured graph costs."""
     tlm = art.manifest.models["tlm"].graphs
     sizes = {name: g.tokens for name, g in tlm.items()}
-    biggest = max(sizes.values())
+    biggest = largest_graph(art)
 
     def cost(rows: int) -> float:
         return tlm[graph_io.fitting_graph(sizes, rows)].cost_ms
 
     decode, adapt = tlm[graph_io.DECODE].cost_ms, not params.do_sample
     if method == "draft":
-        ks = [k for k in graph_io.draft_lengths(art.manifest.k) if k < biggest]
+        ks = scoring_draft_lengths(art)
         dlm_step = art.manifest.models["dlm"].graphs[graph_io.DECODE].cost_ms or None
         policy = _policy(art, ("draft",), lambda: DraftPolicy(
             {k: cost(k + 1) for k in ks}, decode, dlm_step, draft_length, adapt), adapt and draft_length is None)

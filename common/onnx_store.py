@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -45,11 +46,11 @@ def _point_at(t: onnx.TensorProto, location: str, offset: int, length: int) -> N
     t.data_location = onnx.TensorProto.EXTERNAL
 
 
-class _SharedFile:
+class SharedFile:
     """An external-data file in which each distinct byte string is written once, page-aligned."""
 
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
+    def __init__(self, f: BinaryIO, name: str) -> None:
+        self.f, self.name = f, name
         self.offsets: dict[str, tuple[int, int]] = {}
 
     def put(self, key: str, data: bytes) -> tuple[int, int]:
@@ -58,6 +59,23 @@ class _SharedFile:
             self.offsets[key] = (self.f.tell(), len(data))
             self.f.write(data)
         return self.offsets[key]
+
+    def external(self, t: onnx.TensorProto) -> onnx.TensorProto:
+        """A new initializer pointing at t's data, written into the file once per distinct content
+        (t itself if small). A new message, so that t's memory goes with t: protobuf keeps a cleared
+        field's bytes until the whole message is freed."""
+        data = _tensor_bytes(t)
+        if len(data) < INLINE_LIMIT:
+            return t
+        pointer = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+        _point_at(pointer, self.name, *self.put(_content_key(t, data), data))
+        return pointer
+
+    def store(self, t: onnx.TensorProto) -> None:
+        """Move a large initializer's data into the file, in place (see `external`)."""
+        pointer = self.external(t)
+        if pointer is not t:
+            t.CopyFrom(pointer)
 
 
 Models = dict[str, onnx.ModelProto] | Iterable[tuple[str, onnx.ModelProto]]
@@ -71,28 +89,36 @@ def _save_all(models: Models, out_dir: Path, weights_name: str, place) -> dict[s
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
-    with open(out_dir / weights_name, "wb") as wf:
-        shared = _SharedFile(wf)
+    with shared_file(out_dir / weights_name) as shared:
         for key, model in models.items() if isinstance(models, dict) else models:
             place(shared, key, model)
-            path = out_dir / f"{key}.onnx"
-            with open(path, "wb") as f:
-                f.write(model.SerializeToString())
-            written[key] = path
+            written[key] = save_graph(model, out_dir / f"{key}.onnx")
             del model  # before the generator makes the next one
-        wf.flush()
-        os.fsync(wf.fileno())
     return written
+
+
+@contextmanager
+def shared_file(path: Path) -> Iterator[SharedFile]:
+    """A SharedFile written at `path`, synced to disk when the block ends."""
+    with open(path, "wb") as f:
+        yield SharedFile(f, Path(path).name)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_graph(model: onnx.ModelProto, path: Path) -> Path:
+    """Write a graph whose weights are already external (or small)."""
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return Path(path)
 
 
 def save_shared(models: Models, out_dir: Path, weights_name: str) -> dict[str, Path]:
     """Save each model as out_dir/<key>.onnx; large initializers go once into out_dir/weights_name."""
 
-    def place(shared: _SharedFile, key: str, model: onnx.ModelProto) -> None:
+    def place(shared: SharedFile, key: str, model: onnx.ModelProto) -> None:
         for t in model.graph.initializer:
-            data = _tensor_bytes(t)
-            if len(data) >= INLINE_LIMIT:
-                _point_at(t, weights_name, *shared.put(_content_key(t, data), data))
+            shared.store(t)
 
     return _save_all(models, out_dir, weights_name, place)
 
@@ -106,18 +132,25 @@ def _read(path: Path, offset: int, length: int) -> bytes:
     return data
 
 
-def merge_external(graphs: dict[str, Path], out_dir: Path, weights_name: str) -> dict[str, Path]:
+def merge_external(graphs: Iterable[tuple[str, Path]], out_dir: Path, weights_name: str) -> dict[str, Path]:
     """Copy graphs saved with their own external data (and prepacked blobs) into out_dir, sharing
-    one deduplicated weights file; each prepacked entry keeps its key and points at its new offset."""
-    models = {key: onnx.load(str(path), load_external_data=False) for key, path in graphs.items()}
+    one deduplicated weights file; each prepacked entry keeps its key and points at its new offset.
 
-    def place(shared: _SharedFile, key: str, model: onnx.ModelProto) -> None:
-        src_dir = Path(graphs[key]).parent
+    `graphs` may be a generator of (key, path): each graph is then merged before the next is asked
+    for, so its maker may delete the previous graph's files and disk holds one transient copy."""
+    sources: dict[str, Path] = {}
+
+    def loaded() -> Iterator[tuple[str, onnx.ModelProto]]:
+        for key, path in graphs:
+            sources[key] = Path(path).parent
+            yield key, onnx.load(str(path), load_external_data=False)
+
+    def place(shared: SharedFile, key: str, model: onnx.ModelProto) -> None:
         for t in model.graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {e.key: e.value for e in t.external_data}
-            src = src_dir / info["location"]
+            src = sources[key] / info["location"]
             data = _read(src, int(info.get("offset", 0)), int(info["length"]))
             _point_at(t, weights_name, *shared.put(_content_key(t, data), data))
             for name, value in info.items():
@@ -125,10 +158,10 @@ def merge_external(graphs: dict[str, Path], out_dir: Path, weights_name: str) ->
                     entry = t.external_data.add()
                     entry.key, entry.value = name, _move_prepacked(value, src, shared)
 
-    return _save_all(models, out_dir, weights_name, place)
+    return _save_all(loaded(), out_dir, weights_name, place)
 
 
-def _move_prepacked(value: str, src: Path, shared: _SharedFile) -> str:
+def _move_prepacked(value: str, src: Path, shared: SharedFile) -> str:
     """`KEY|offset;length;alignment` read from src, stored in the shared file, pointed at anew."""
     try:
         key, where = value.split("|")

@@ -12,6 +12,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -72,18 +73,23 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
 def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, progress: bool) -> ModelEntry:
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
-    optimized: dict[str, Path] = {}
-    with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
-        items = tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress)
-        for name in items:
+
+    def optimized(work: Path) -> Iterator[tuple[str, Path]]:
+        """Each graph lowered and optimised in turn; its transient files go once it is merged."""
+        for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
             graph = export_dir / f"{name}.onnx"
             if quant:
-                graph, lowered = _lower(export_dir, name, lowering, Path(work))
-            optimized[name] = _optimize(graph, target, Path(work))
+                graph, lowered = _lower(export_dir, name, lowering, work)
+            path = _optimize(graph, target, work)
             if quant:
-                _check_lowered(onnx.load(str(optimized[name]), load_external_data=False), name, lowering, lowered)
+                _check_lowered(onnx.load(str(path), load_external_data=False), name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph
-        paths = merge_external(optimized, out_dir, info["weights"])
+            yield name, path
+            for f in work.iterdir():
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+
+    with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
+        paths = merge_external(optimized(Path(work)), out_dir, info["weights"])
     dims = ModelDims(**info["dims"])
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target)

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
 from transformers.utils import logging as hf_logging
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "codegen")
@@ -89,6 +90,31 @@ def read_config(model_dir: Path, context_length: int, trust_remote_code: bool = 
     return config
 
 
+def placeholder_model(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The checkpoint's model with every parameter a zero-memory placeholder of the right shape.
+
+    Tracing needs shapes, not values: each parameter is a broadcast scalar (stride 0), so the model
+    costs nothing whatever its size. Buffers computed at construction (RoPE frequencies) are real;
+    tied parameters stay tied. The weights themselves are streamed later (export/weights.py).
+    """
+    config = read_config(model_dir, context_length, trust_remote_code)
+    with no_init_weights():  # parameters are allocated but never written, so never resident
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    model.tie_weights()  # skipped with the initialisation
+    placeholders: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in placeholders:
+                    placeholders[id(p)] = torch.nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                             requires_grad=False)
+                module._parameters[name] = placeholders[id(p)]
+    if (Path(model_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    return model.eval()
+
+
 def load_model(
     model_dir: Path, context_length: int, trust_remote_code: bool = False, progress: bool = True
 ) -> PreTrainedModel:
@@ -108,14 +134,3 @@ def load_model(
         if was_enabled:
             hf_logging.enable_progress_bar()
     return model.eval()
-
-
-def check_finite(model: PreTrainedModel, role: str = "model") -> None:
-    """Refuse NaN/Inf weights, naming the tensor: they would export fine and generate garbage."""
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            kinds = [k for k, bad in (("NaN", t.isnan()), ("Inf", t.isinf())) if bad.any()]
-            raise CheckpointError(
-                f"{role} weight {name!r} contains {' and '.join(kinds)} "
-                f"({int((~torch.isfinite(t)).sum())} of {t.numel()} values); the checkpoint is damaged"
-            )

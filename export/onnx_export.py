@@ -1,18 +1,20 @@
 """Traces a causal LM into fixed-shape ONNX graphs that share one weights file.
 
-One trace per graph (T new tokens each). Initializers are renamed after the parameters they
-came from (the TorchScript exporter calls pre-transposed Linear weights `onnx::MatMul_N`), so later
-passes can select weights by module path; the `.T` suffix marks a weight stored as [in, out].
+One trace per graph (T new tokens each), with the weights as graph inputs: the trace holds no
+weight, so a placeholder model with the checkpoint's shapes is enough. Each weight input is named
+after the parameter it came from (module structure, not content), so later passes select weights
+by module path; the `.T` suffix marks a weight stored as [in, out]. The weights are then streamed
+from the checkpoint into one shared file (export/weights.py) and attached to every graph.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -22,12 +24,24 @@ from transformers import PreTrainedModel
 
 from common import graph_io
 from common.graph_io import ModelDims
-from common.onnx_store import save_shared
+from common.onnx_store import rewrite_graph, save_graph, shared_file
+from export.weights import (
+    KEEP_WEIGHTS,
+    TensorSource,
+    WeightPasses,
+    WeightRef,
+    model_tensors,
+    read_weight,
+    unique_refs,
+    write_weights,
+)
 from export.wrapper import ExplicitKVWrapper
 
 OPSET = 18
 WEIGHTS_FILE = "weights.bin"
 EXPORT_INFO = "export.json"
+WRAPPED = "model."  # ExplicitKVWrapper holds the model as `.model`: traced names start with it
+SHAPE_PARAM_LIMIT = 65536  # elements; larger parameters are weights, never shapes
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
@@ -45,49 +59,6 @@ def model_dims(model: PreTrainedModel) -> ModelDims:
     )
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
-
-
-def _parameter_names(model: PreTrainedModel) -> dict[str, str]:
-    """sha256 of a parameter's bytes (as stored, or transposed for MatMul) -> a readable name."""
-    names: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(_digest(p), name)
-        if p.dim() == 2:
-            transposed = _digest(p.t())
-            if transposed not in names or "lm_head" in name:
-                names[transposed] = f"{name}.T"
-    return names
-
-
-def _rename_initializers(model: onnx.ModelProto, names: dict[str, str]) -> None:
-    import numpy as np
-    from onnx import numpy_helper
-
-    mapping: dict[str, str] = {}
-    taken = {t.name for t in model.graph.initializer}
-    for t in model.graph.initializer:
-        if not t.name.startswith("onnx::") and "." in t.name:
-            new = t.name.removeprefix("model.")
-        else:
-            arr = np.ascontiguousarray(numpy_helper.to_array(t))
-            found = names.get(hashlib.sha256(arr.tobytes()).hexdigest())
-            if found is None:
-                continue
-            new = found
-        new = new.removeprefix("model.").removeprefix("transformer.")  # Llama family / CodeGen
-        if new != t.name and new not in taken:
-            mapping[t.name] = new
-            taken.add(new)
-    for t in model.graph.initializer:
-        t.name = mapping.get(t.name, t.name)
-    for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            if name in mapping:
-                node.input[i] = mapping[name]
-
-
 def _example_inputs(dims: ModelDims, tokens: int, context: int, batch: int) -> tuple[torch.Tensor, ...]:
     shapes = graph_io.input_shapes(dims, batch, tokens, context)
     ids = torch.zeros(shapes[graph_io.INPUT_IDS], dtype=torch.int64)
@@ -97,13 +68,72 @@ def _example_inputs(dims: ModelDims, tokens: int, context: int, batch: int) -> t
     return (ids, pos, mask, *past)
 
 
-def trace_graph(
+@contextmanager
+def _shape_inference_without_weights() -> Iterator[None]:
+    """torch's ONNX shape inference serialises every parameter it is handed to an ONNX tensor (seconds
+    and a full copy per layer at 7B); weights never decide a shape, so it is handed only small ones."""
+    original = torch._C._jit_pass_onnx_graph_shape_type_inference
+
+    def small_only(graph, params: dict, opset: int):  # noqa: ANN202 - torch's private signature
+        return original(graph, {k: v for k, v in params.items() if v.numel() <= SHAPE_PARAM_LIMIT}, opset)
+
+    torch._C._jit_pass_onnx_graph_shape_type_inference = small_only
+    try:
+        yield
+    finally:
+        torch._C._jit_pass_onnx_graph_shape_type_inference = original
+
+
+def _short(key: str) -> str:
+    return key.removeprefix("model.").removeprefix("transformer.")  # Llama family / CodeGen
+
+
+def _weight_refs(graph: onnx.GraphProto, model: PreTrainedModel, n_io: int) -> list[WeightRef]:
+    """Name each weight input of a trace from the module structure.
+
+    A parameter read as it is keeps its state-dict name; a Linear weight that the exporter
+    transposed (and called `onnx::MatMul_N`) is named after the module of the MatMul reading it,
+    e.g. `/model/model/layers.0/mlp/up_proj/MatMul` -> `layers.0.mlp.up_proj.weight.T`.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}
+    for key, p in params.items():
+        aliases.setdefault(id(p), []).append(key)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    refs = []
+    for inp in graph.input[n_io:]:
+        shape = tuple(d.dim_value for d in inp.type.tensor_type.shape.dim)
+        users = readers.get(inp.name, [])
+        scopes = {".".join(n.name.split("/")[1:-1]).removeprefix(WRAPPED) for n in users}
+        if inp.name.startswith("onnx::") and len(scopes) == 1 and all(n.op_type == "MatMul" for n in users):
+            key, transpose = f"{scopes.pop()}.weight", True
+        else:
+            key, transpose = inp.name.removeprefix(WRAPPED), False
+        p = params.get(key)
+        if p is None or tuple(p.shape)[:: -1 if transpose else 1] != shape:
+            raise RuntimeError(f"cannot tell which parameter the traced weight {inp.name!r} {list(shape)} "
+                               f"(read by {[n.name for n in users][:2]}) is")
+        others = [k for k in aliases[id(p)] if k != key]
+        refs.append(WeightRef(_short(key) + (".T" if transpose else ""), (key, *others), transpose, shape))
+    return refs
+
+
+def trace_structure(
     model: PreTrainedModel, tokens: int, context: int, batch: int = 1, split_attention: bool = True
-) -> onnx.ModelProto:
-    """One fixed-shape graph; `split_attention=False` (transformers' concat attention) is a benchmark baseline."""
+) -> tuple[onnx.ModelProto, list[WeightRef]]:
+    """One fixed-shape graph without its weights, and the weights it reads (initializers to attach).
+
+    Weights are traced as graph inputs, so the model may hold placeholders (see
+    loader.placeholder_model): no weight is copied into the graph, whatever the model's size.
+    `split_attention=False` (transformers' concat attention) is a benchmark baseline.
+    """
     dims = model_dims(model)
     wrapper = ExplicitKVWrapper(model, split=split_attention).eval()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    io_names = graph_io.input_names(dims)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _shape_inference_without_weights():
         warnings.simplefilter("ignore")
         path = Path(tmp) / "graph.onnx"
         with torch.no_grad():
@@ -111,37 +141,70 @@ def trace_graph(
                 wrapper,
                 _example_inputs(dims, tokens, context, batch),
                 str(path),
-                input_names=graph_io.input_names(dims),
+                input_names=io_names,
                 output_names=graph_io.output_names(dims),
                 opset_version=OPSET,
                 dynamo=False,
                 do_constant_folding=True,
+                export_params=False,
+                keep_initializers_as_inputs=True,  # no deduplication by value (which would read every weight)
             )
-        return onnx.load(str(path), load_external_data=True)
+        graph = onnx.load(str(path))
+    refs = _weight_refs(graph.graph, model, len(io_names))
+    rename = {inp.name: ref.name for inp, ref in zip(graph.graph.input[len(io_names):], refs, strict=True)}
+    del graph.graph.input[len(io_names):]
+    for node in graph.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = rename.get(name, name)
+    return graph, refs
+
+
+def attach_weights(model: onnx.ModelProto, refs: list[WeightRef], stored: dict[str, list[onnx.TensorProto]],
+                   passes: WeightPasses = KEEP_WEIGHTS) -> onnx.ModelProto:
+    """Give a traced graph its weights' stored initializers and the passes' nodes that rebuild them."""
+    initializers = [t for ref in refs for t in stored[ref.name]]
+    rewrite_graph(model.graph, initializers, passes.nodes(model, [ref.name for ref in refs]))
+    return model
+
+
+def trace_graph(
+    model: PreTrainedModel, tokens: int, context: int, batch: int = 1, split_attention: bool = True
+) -> onnx.ModelProto:
+    """One fixed-shape graph of an in-memory model, its weights inline (tests, benchmarks)."""
+    graph, refs = trace_structure(model, tokens, context, batch, split_attention)
+    source = model_tensors(model)
+    return attach_weights(graph, refs, {ref.name: [read_weight(ref, source, "model")] for ref in refs})
 
 
 def export_model(
     model: PreTrainedModel,
+    tensors: TensorSource,
     out_dir: Path,
     graph_tokens: dict[str, int],
     context_length: int,
     batch: int = 1,
     source: str = "",
     tokenizer_dir: Path | None = None,
+    passes: WeightPasses = KEEP_WEIGHTS,
+    role: str = "model",
     progress: bool = True,
 ) -> ModelDims:
-    """Write out_dir/<graph>.onnx for each graph, one shared weights file, tokenizer and export.json."""
+    """Write out_dir/<graph>.onnx for each graph, one shared weights file, tokenizer and export.json.
+
+    `model` gives the structure (placeholder weights are enough) and `tensors` the weights, read one
+    at a time through `passes` (quant.onnx_pass.PassChain) into the weights file.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = _parameter_names(model)
-
-    def traced() -> Iterator[tuple[str, onnx.ModelProto]]:  # one at a time: each is saved before the next
-        for key, tokens in tqdm(graph_tokens.items(), desc=f"export {source or 'model'}", disable=not progress):
-            graph = trace_graph(model, tokens, context_length, batch)
-            _rename_initializers(graph, names)
-            yield key, graph
-
-    save_shared(traced(), out_dir, WEIGHTS_FILE)
+    traced = {key: trace_structure(model, tokens, context_length, batch)
+              for key, tokens in tqdm(graph_tokens.items(), desc=f"trace {role}", disable=not progress)}
+    refs = unique_refs(r for _, r in traced.values())
+    matmul = {n.input[1] for graph, _ in traced.values() for n in graph.graph.node if n.op_type == "MatMul"}
+    with shared_file(out_dir / WEIGHTS_FILE) as shared:
+        stored = write_weights(refs, tensors, shared, passes, matmul, role.upper(), progress)
+    for key, (graph, graph_refs) in traced.items():
+        path = save_graph(attach_weights(graph, graph_refs, stored, passes), out_dir / f"{key}.onnx")
+        onnx.checker.check_model(str(path), full_check=True)
     dims = model_dims(model)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos = model.config.eos_token_id if eos is None else eos
@@ -154,7 +217,7 @@ def export_model(
         "context_length": context_length,
         "batch": batch,
         "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
-    }
+    } | passes.info()
     (out_dir / EXPORT_INFO).write_text(json.dumps(info, indent=2))
     if tokenizer_dir is not None:
         tok_out = out_dir / "tokenizer"

@@ -14,9 +14,10 @@ from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler.build import compile_artifact
 from export.fit import check_export_fits
-from export.loader import check_finite, load_model, resolve_model_dir
+from export.loader import placeholder_model, resolve_model_dir
 from export.onnx_export import export_model
-from quant.onnx_pass import float16_export, quantize_export
+from export.weights import CheckpointTensors
+from quant.onnx_pass import Float16Pass, MXPass, PassChain
 
 log = logging.getLogger("mxspd.export")
 
@@ -58,6 +59,12 @@ def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dl
         )
 
 
+def weight_passes(spec: ModelSpec) -> PassChain:
+    """How a model's weights are stored: MX blocks for its decoder linears, then float16 if asked."""
+    passes = [MXPass(spec.mx_format, spec.mx_lm_head)] if spec.mx_format is not None else []
+    return PassChain(passes + ([Float16Pass()] if spec.dtype == "float16" else []))
+
+
 def build_artifact(
     recipe: Recipe,
     out_dir: Path,
@@ -83,9 +90,7 @@ def build_artifact(
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
     check_export_fits(dirs, {role: len(graph_plan(recipe, role)) for role in specs}, specs, out_dir,
                       recipe.context_length)
-    models = {role: load_model(d, recipe.context_length, progress=progress) for role, d in dirs.items()}
-    for role, model in models.items():
-        check_finite(model, role.upper())
+    models = {role: placeholder_model(d, recipe.context_length) for role, d in dirs.items()}
     if "dlm" in models:
         check_same_vocabulary(dirs["tlm"], dirs["dlm"], models["tlm"], models["dlm"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -97,15 +102,10 @@ def build_artifact(
         for role, model in models.items():
             exports[role] = Path(tmp) / role
             export_model(
-                model, exports[role], graph_plan(recipe, role), recipe.context_length,
-                batch=recipe.batch_size, source=specs[role].model,
-                tokenizer_dir=dirs[role], progress=progress,
+                model, CheckpointTensors(dirs[role]), exports[role], graph_plan(recipe, role),
+                recipe.context_length, batch=recipe.batch_size, source=specs[role].model,
+                tokenizer_dir=dirs[role], passes=weight_passes(specs[role]), role=role, progress=progress,
             )
-            spec = specs[role]
-            if spec.mx_format is not None:
-                quantize_export(exports[role], spec.mx_format, spec.mx_lm_head, progress=progress)
-            if spec.dtype == "float16":
-                float16_export(exports[role], progress=progress)
         return compile_artifact(exports, recipe, out_dir, progress=progress, force=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

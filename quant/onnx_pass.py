@@ -1,4 +1,4 @@
-"""The quant pass: decoder linear weights become standard ONNX MX blocks.
+"""The weight passes: decoder linear weights become standard ONNX MX blocks; float16 storage.
 
 Each selected MatMul weight W[K, N] (`layers.<i>.<...>.weight.T`, CodeGen's `h.<i>.<...>`; the LM
 head on request) is
@@ -6,26 +6,28 @@ replaced by FLOAT6 codes [K, N] (packed 4 in 3 bytes), FLOAT8E8M0 scales [ceil(K
 `DequantizeLinear(axis=0, block_size=32)` whose output keeps the weight's name, so the graph's
 consumers are untouched. This is the portable form (opset 28): ONNX Runtime cannot run FLOAT6,
 so the compiler lowers it per target. Embeddings and norms stay as they are.
+
+A pass works one weight at a time (`store`: the tensors that replace it) and then adds, to each
+graph, the nodes that turn the stored tensors back into the weight (`nodes`). The exporter streams
+a checkpoint's tensors through the passes into the weights file, so no graph ever holds the whole
+model; `apply_passes` runs the same passes over an in-memory graph.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-from tqdm import tqdm
 
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
-from common.onnx_store import load_with_weights, rewrite_graph, save_shared
+from common.onnx_store import rewrite_graph
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
@@ -72,130 +74,151 @@ def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str) -> tuple[onnx.
     return code_t, scale_t
 
 
-def quantize_model(
-    model: onnx.ModelProto,
-    fmt: str = "fp6_e2m3",
-    lm_head: bool = False,
-    rounding: str = "even",
-    cache: dict | None = None,
-) -> int:
-    """Rewrite `model` in place; returns how many weights were quantized.
+class WeightPass(Protocol):
+    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+        """The tensors stored in place of weight `t` (`matmul`: it is a MatMul's weight input)."""
 
-    `cache` (name -> tensors) lets the graphs of one model share the work, since they hold the same weights.
-    """
-    if fmt not in ONNX_TYPES:
-        raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
-    cache = {} if cache is None else cache
-    graph = model.graph
-    matmul_weights = {n.input[1] for n in graph.node if n.op_type == "MatMul"}
-    keep, nodes = [], []
-    for init in graph.initializer:
-        if not (init.name in matmul_weights and selected(init.name, lm_head)):
-            if init.name in matmul_weights and init.name != LM_HEAD and len(init.dims) == 2 and min(init.dims) >= BLOCK:
+    def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
+        """For the weights among `names` that this pass replaced, the nodes that rebuild them."""
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        """Model-level changes once a graph's nodes are in (opset)."""
+
+    def info(self) -> dict:
+        """What the pass did, for export.json."""
+
+
+class MXPass:
+    """Selected MatMul weights -> FLOAT6 codes, E8M0 scales and a DequantizeLinear named as the weight."""
+
+    def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even") -> None:
+        if fmt not in ONNX_TYPES:
+            raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
+        self.fmt, self.lm_head, self.rounding = fmt, lm_head, rounding
+        self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
+        self.elements = self.stored_bytes = 0
+
+    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+        if not (matmul and selected(t.name, self.lm_head)):
+            if matmul and t.name != LM_HEAD and len(t.dims) == 2 and min(t.dims) >= BLOCK:
                 # never leave a decoder weight in full precision because its name was not recognised
-                raise ValueError(f"MatMul weight {init.name!r} {list(init.dims)} is not a recognised decoder "
+                raise ValueError(f"MatMul weight {t.name!r} {list(t.dims)} is not a recognised decoder "
                                  "linear or LM head: refusing to leave it unquantized silently")
-            keep.append(init)
-            continue
-        if init.name not in cache:
-            w = numpy_helper.to_array(init)
-            if w.ndim != 2 or w.dtype != np.float32:
-                raise ValueError(f"weight {init.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
-            cache[init.name] = mx_tensors(init.name, w, fmt, rounding)
-        codes, scales = cache[init.name]
-        keep += [codes, scales]
-        nodes.append(helper.make_node(
-            "DequantizeLinear", [codes.name, scales.name], [init.name], name=f"mx_dequant/{init.name}",
-            axis=0, block_size=BLOCK, output_dtype=onnx.TensorProto.FLOAT,
-        ))
-    if not nodes:
-        return 0
-    rewrite_graph(graph, keep, nodes)
-    base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                   BASE_OPSET_KEY: str(base.version)})
-    base.version = MX_OPSET
-    return len(nodes)
+            return [t]
+        w = numpy_helper.to_array(t)
+        if w.ndim != 2 or w.dtype != np.float32:
+            raise ValueError(f"weight {t.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
+        codes, scales = mx_tensors(t.name, w, self.fmt, self.rounding)
+        self.quantized[t.name] = (codes.name, scales.name)
+        self.elements += w.size
+        self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
+        return [codes, scales]
+
+    def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
+        return [helper.make_node("DequantizeLinear", list(self.quantized[n]), [n], name=f"mx_dequant/{n}",
+                                 axis=0, block_size=BLOCK, output_dtype=onnx.TensorProto.FLOAT)
+                for n in names if n in self.quantized]
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
+        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                       BASE_OPSET_KEY: str(base.version)})
+        base.version = MX_OPSET
+
+    def summary(self) -> QuantSummary:
+        return QuantSummary(self.fmt, BLOCK, self.rounding, self.lm_head, len(self.quantized), self.elements,
+                            self.stored_bytes, 2 * self.elements)
+
+    def info(self) -> dict:
+        s = self.summary()
+        return {"quant": asdict(s) | {"ratio_to_fp16": round(s.ratio_to_fp16, 4)}}
 
 
-def summarize(cache: dict, fmt: str, rounding: str, lm_head: bool) -> QuantSummary:
-    """Sizes from quantize_model's cache (name -> (codes, scales)), as they will be stored."""
-    elements = sum(math.prod(codes.dims) for codes, _ in cache.values())
-    stored = sum(len(codes.raw_data) + len(scales.raw_data) for codes, scales in cache.values())
-    return QuantSummary(fmt, BLOCK, rounding, lm_head, len(cache), elements, stored, 2 * elements)
-
-
-def store_float16(model: onnx.ModelProto, cache: dict | None = None) -> int:
-    """Store the remaining float32 weight matrices as float16, each behind a Cast back to float32.
+class Float16Pass:
+    """Float32 weight matrices stored as float16, each behind a Cast back to float32.
 
     The Cast of a constant is folded when a session loads, so this halves the artifact on disk and
     keeps float32 arithmetic (ONNX Runtime's CPU kernels are float32); the weights' values are the
     float16-rounded ones.
     """
-    cache = {} if cache is None else cache
-    graph = model.graph
-    keep, nodes = [], []
-    for init in graph.initializer:
-        if init.data_type != onnx.TensorProto.FLOAT or len(init.dims) != 2:
-            keep.append(init)
-            continue
-        if init.name not in cache:
-            full = numpy_helper.to_array(init)
-            if np.isnan(full).any():
-                raise ValueError(f"weight {init.name!r} contains NaN")
-            if np.isinf(full).any():
-                raise ValueError(f"weight {init.name!r} contains Inf")
-            with np.errstate(over="ignore"):
-                half = full.astype(np.float16)
-            if not np.isfinite(half).all():
-                raise ValueError(f"weight {init.name!r} has values beyond float16's range (65504)")
-            cache[init.name] = numpy_helper.from_array(half, init.name + ".fp16")
-        keep.append(cache[init.name])
-        nodes.append(helper.make_node("Cast", [init.name + ".fp16"], [init.name], name=f"fp16/{init.name}",
-                                      to=onnx.TensorProto.FLOAT))
-    rewrite_graph(graph, keep, nodes)
+
+    def __init__(self) -> None:
+        self.cast: set[str] = set()
+
+    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+        if t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2:
+            return [t]
+        full = numpy_helper.to_array(t)
+        if np.isnan(full).any():
+            raise ValueError(f"weight {t.name!r} contains NaN")
+        if np.isinf(full).any():
+            raise ValueError(f"weight {t.name!r} contains Inf")
+        with np.errstate(over="ignore"):
+            half = full.astype(np.float16)
+        if not np.isfinite(half).all():
+            raise ValueError(f"weight {t.name!r} has values beyond float16's range (65504)")
+        self.cast.add(t.name)
+        return [numpy_helper.from_array(half, t.name + ".fp16")]
+
+    def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
+        return [helper.make_node("Cast", [n + ".fp16"], [n], name=f"fp16/{n}", to=onnx.TensorProto.FLOAT)
+                for n in names if n in self.cast]
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {"storage_dtype": "float16"}
+
+
+def matmul_weights(graph: onnx.GraphProto) -> set[str]:
+    return {n.input[1] for n in graph.node if n.op_type == "MatMul"}
+
+
+class PassChain:
+    """Passes applied in turn (a later pass sees what an earlier one stored): what the exporter runs."""
+
+    def __init__(self, passes: Sequence[WeightPass] = ()) -> None:
+        self.passes = list(passes)
+
+    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+        stored = [t]
+        for p in self.passes:
+            stored = [s for x in stored for s in p.store(x, matmul)]
+        return stored
+
+    def nodes(self, model: onnx.ModelProto, names: list[str]) -> list[onnx.NodeProto]:
+        """The rebuilding nodes for the weights `names` of `model`; each pass that adds any finishes it."""
+        nodes = []
+        for p in self.passes:
+            added = p.nodes(names)
+            if added:
+                p.finish(model)
+            nodes += added
+        return nodes
+
+    def info(self) -> dict:
+        return {k: v for p in self.passes for k, v in p.info().items()}
+
+
+def apply_passes(model: onnx.ModelProto, passes: Sequence[WeightPass]) -> int:
+    """Run `passes` over an in-memory graph's initializers; returns how many weights were replaced."""
+    graph, chain = model.graph, PassChain(passes)
+    matmul = matmul_weights(graph)
+    names = [t.name for t in graph.initializer]
+    stored = [s for t in graph.initializer for s in chain.store(t, t.name in matmul)]
+    nodes = chain.nodes(model, names)
+    if nodes:
+        rewrite_graph(graph, stored, nodes)
     return len(nodes)
 
 
-def _rewrite_export(export_dir: Path, rewrite, desc: str, progress: bool, **info_update) -> None:
-    """Apply `rewrite(model, cache)` to every graph of an export folder and save it back.
-
-    The folder is the pipeline's private staging folder, so files are replaced one by one;
-    each saved graph is checked from disk (models over 2 GiB cannot be checked in memory).
-    """
-    export_dir = Path(export_dir)
-    info = json.loads((export_dir / "export.json").read_text())
-    cache: dict = {}
-
-    def rewritten() -> Iterator[tuple[str, onnx.ModelProto]]:  # one graph's weights in memory at a time
-        for name in tqdm(info["graphs"], desc=desc, disable=not progress):
-            model = load_with_weights(export_dir / f"{name}.onnx")
-            if not rewrite(model, cache):
-                raise ValueError(f"graph {name!r} of {export_dir} has no weights for {desc}")
-            yield name, model
-
-    with tempfile.TemporaryDirectory(dir=export_dir) as tmp:
-        for path in save_shared(rewritten(), Path(tmp), info["weights"]).values():
-            onnx.checker.check_model(str(path), full_check=True)
-        for f in Path(tmp).iterdir():
-            f.replace(export_dir / f.name)
-    info.update({k: v(cache) if callable(v) else v for k, v in info_update.items()})
-    (export_dir / "export.json").write_text(json.dumps(info, indent=2))
+def quantize_model(model: onnx.ModelProto, fmt: str = "fp6_e2m3", lm_head: bool = False,
+                   rounding: str = "even") -> int:
+    """Quantize an in-memory graph's decoder linear weights (see MXPass); returns how many."""
+    return apply_passes(model, [MXPass(fmt, lm_head, rounding)])
 
 
-def quantize_export(
-    export_dir: Path, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even", progress: bool = True
-) -> dict:
-    """Quantize every graph of an exported model folder in place; returns the summary stored in export.json."""
-    def summary(cache: dict) -> dict:
-        s = summarize(cache, fmt, rounding, lm_head)
-        return asdict(s) | {"ratio_to_fp16": round(s.ratio_to_fp16, 4)}
-
-    _rewrite_export(export_dir, lambda m, c: quantize_model(m, fmt, lm_head, rounding, c), f"quantize {fmt}",
-                    progress, quant=summary)
-    return json.loads((Path(export_dir) / "export.json").read_text())["quant"]
-
-
-def float16_export(export_dir: Path, progress: bool = True) -> None:
-    """Store an exported model's weight matrices as float16 (see store_float16)."""
-    _rewrite_export(export_dir, store_float16, "store float16", progress, storage_dtype="float16")
+def store_float16(model: onnx.ModelProto) -> int:
+    """Store an in-memory graph's weight matrices as float16 (see Float16Pass); returns how many."""
+    return apply_passes(model, [Float16Pass()])

@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 from transformers import AutoModelForCausalLM
 
 import export.pipeline
+import export.weights
 import runtime
 from common.manifest import ArtifactError
 from common.staging import MARKER, OutputExistsError
@@ -163,7 +164,7 @@ def test_float16_storage_names_nan_as_nan():
 
 def test_runtime_refuses_nan_logits(checkpoints, tmp_path, monkeypatch):
     bad = _damaged_checkpoint(checkpoints, tmp_path, float("nan"))
-    monkeypatch.setattr(export.pipeline, "check_finite", lambda model, role: None)  # as before the fix
+    monkeypatch.setattr(export.weights, "check_finite", lambda array, key, role: None)  # as before the fix
     art = runtime.load_artifact(build_artifact(TLM_ONLY, tmp_path / "art", tlm=str(bad), progress=False))
     with pytest.raises(NonFiniteLogitsError, match="NaN/Inf logits"):
         runtime.generate(art, [5, 6, 7], max_new_tokens=4)

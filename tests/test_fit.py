@@ -26,7 +26,7 @@ def _no_loading(*args, **kwargs):
 
 def test_an_export_that_does_not_fit_in_memory_is_refused_before_loading(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(resources, "available_memory", lambda: 100 << 20)
-    monkeypatch.setattr(pipeline, "load_model", _no_loading)
+    monkeypatch.setattr(pipeline, "placeholder_model", _no_loading)
     with pytest.raises(DoesNotFitError, match=r"does not fit in memory: needs about 0\.\d GiB .* 0\.1 GiB available"):
         pipeline.build_artifact(tiny_recipe(dlm=None), tmp_path / "art", tlm=str(checkpoints["llama-gqa"]),
                                 progress=False)
@@ -35,7 +35,7 @@ def test_an_export_that_does_not_fit_in_memory_is_refused_before_loading(checkpo
 
 def test_an_export_that_does_not_fit_on_disk_is_refused_before_loading(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(resources, "free_disk", lambda path: 1 << 20)
-    monkeypatch.setattr(pipeline, "load_model", _no_loading)
+    monkeypatch.setattr(pipeline, "placeholder_model", _no_loading)
     code = export_main(["--recipe", "tiny-stdlib-spd", "--tlm", str(checkpoints["llama-gqa"]), "--dlm",
                         str(checkpoints["draft"]), "--out", str(tmp_path / "art"), "--quiet"])
     assert code == 2 and list(tmp_path.iterdir()) == []

@@ -18,7 +18,7 @@ from compiler.build import _check_lowered
 from compiler.mx_lowering import LoweringError, lower_model
 from export.pipeline import build_artifact
 from quant import fake_quantize
-from quant.onnx_pass import quantize_model
+from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from runtime.artifact import load_artifact
 from tests.conftest import tiny_recipe
 
@@ -78,11 +78,9 @@ def test_lm_head_follows_the_option_and_unknown_weights_are_refused():
 
 
 def test_quant_summary_counts_stored_bytes(tmp_path):
-    from quant.onnx_pass import summarize
-
-    cache: dict = {}
-    quantize_model(matmul_model(weights(64, 32)), cache=cache)
-    s = summarize(cache, "fp6_e2m3", "even", False)
+    mx = MXPass()
+    apply_passes(matmul_model(weights(64, 32)), [mx])
+    s = mx.summary()
     # 64 x 32 codes at 6 bits + 2 x 32 scale bytes, against 2 bytes per weight in FP16
     assert (s.elements, s.mx_bytes, s.fp16_bytes) == (2048, 1536 + 64, 4096)
     assert s.ratio_to_fp16 == pytest.approx(0.390625)

@@ -183,6 +183,9 @@ def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], 
     graph.node.extend(first + rest)
 
 
-def load_with_weights(path: Path) -> onnx.ModelProto:
-    """Load a graph and pull its external weights into memory (for passes that rewrite them)."""
-    return onnx.load(str(path), load_external_data=True)
+def read_tensor(t: onnx.TensorProto, base_dir: Path) -> bytes:
+    """An initializer's bytes, inline or from its external-data file (relative to base_dir)."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return _tensor_bytes(t)
+    info = {e.key: e.value for e in t.external_data}
+    return _read(Path(base_dir) / info["location"], int(info.get("offset", 0)), int(info["length"]))

@@ -23,11 +23,11 @@ from tqdm import tqdm
 
 from common.graph_io import ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
-from common.onnx_store import load_with_weights, merge_external, save_shared
+from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
 from compiler.costs import graph_costs_ms
-from compiler.mx_lowering import ACCURACY_LEVEL, MS_DOMAIN, lower_model
+from compiler.mx_lowering import ACCURACY_LEVEL, FUSED_SUFFIX, MS_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 
 EXPORT_INFO = "export.json"
@@ -52,19 +52,27 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     return out
 
 
-def _lower(export_dir: Path, name: str, lowering: str, workdir: Path) -> tuple[Path, dict[str, str]]:
-    """Lower the MX ops of one graph for ONNX Runtime; returns the lowered graph's path and weights."""
-    model = load_with_weights(export_dir / f"{name}.onnx")
-    lowered = lower_model(model, lowering)
-    out = workdir / f"lowered-{name}"
-    return save_shared({name: model}, out, "weights.bin")[name], lowered
+def _lower(export_dir: Path, name: str, lowering: str, shared: SharedFile) -> tuple[Path, dict[str, str]]:
+    """Lower the MX ops of one graph for ONNX Runtime, weight by weight, into the model's lowered
+    weights file (shared by its graphs: equal tensors are stored once); returns the graph's path."""
+    model = onnx.load(str(export_dir / f"{name}.onnx"), load_external_data=False)
+    exported = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    lowered = lower_model(model, lowering, read=lambda t: read_tensor(t, export_dir), store=shared.external)
+    for t in model.graph.initializer:  # weights the lowering left alone (embeddings, norms, LM head)
+        if t.name in exported:
+            data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                    raw_data=read_tensor(t, export_dir))
+            t.CopyFrom(shared.external(data))
+    shared.f.flush()
+    path = Path(shared.f.name).parent / f"lowered-{name}.onnx"
+    return save_graph(model, path), lowered
 
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
     """Fused: every lowered weight must still run through MatMulNBits, never full precision silently.
     (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
     fused = {n.input[1] for n in graph.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN}
-    lost = [w for w in lowered if w + ".unpacked" not in fused] if lowering == "fused" else []
+    lost = [w for w in lowered if w + FUSED_SUFFIX not in fused] if lowering == "fused" else []
     if lost or not lowered:
         raise RuntimeError(f"graph {name!r}: MX lowering {lowering!r} did not survive optimisation for "
                            f"{len(lost) or 'all'} weights (first: {lost[:3]})")
@@ -74,22 +82,26 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
 
-    def optimized(work: Path) -> Iterator[tuple[str, Path]]:
-        """Each graph lowered and optimised in turn; its transient files go once it is merged."""
+    def optimized(work: Path, shared: SharedFile | None) -> Iterator[tuple[str, Path]]:
+        """Each graph lowered and optimised in turn; its optimised copy goes once it is merged."""
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
             graph = export_dir / f"{name}.onnx"
-            if quant:
-                graph, lowered = _lower(export_dir, name, lowering, work)
+            if shared is not None:
+                graph, lowered = _lower(export_dir, name, lowering, shared)
             path = _optimize(graph, target, work)
-            if quant:
+            if shared is not None:
                 _check_lowered(onnx.load(str(path), load_external_data=False), name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph
             yield name, path
-            for f in work.iterdir():
-                shutil.rmtree(f) if f.is_dir() else f.unlink()
+            for f in work.glob("opt-*"):
+                f.unlink()
 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
-        paths = merge_external(optimized(Path(work)), out_dir, info["weights"])
+        if quant:
+            with shared_file(Path(work) / "lowered.bin") as shared:
+                paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
+        else:
+            paths = merge_external(optimized(Path(work), None), out_dir, info["weights"])
     dims = ModelDims(**info["dims"])
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target)

@@ -1,14 +1,16 @@
 """What an export needs in memory and on disk, from the checkpoints' configs, before any weight is loaded.
 
-The estimates describe this exporter as it is: it loads each model in float32 and traces its
-graphs one at a time (each saved before the next), and the compiler keeps each graph's optimised
-copy (weights and prepacked blobs) until it merges them. Measured on the llama2-7b-spd recipe
-with two 162M-parameter models (benchmarks.make_checkpoint llama-160m as TLM and DLM): peak RSS
-4.22 GiB against 4.43 predicted, peak disk 7.43 GiB against 8.0 (docs/benchmarks.md).
+The exporter streams: graphs are traced from a placeholder model and each weight goes from the
+checkpoint to the weights file on its own, so the export itself holds a few copies of the largest
+tensor. The compiler then lowers MX weights one at a time and optimises one graph at a time; its
+peak is ONNX Runtime's session for one graph (the kernel-form weights and their prepacked copy).
+Factors measured on a 325M-parameter checkpoint and on the llama2-7b-spd recipe's 7B-shaped
+models (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -18,42 +20,48 @@ from common.recipe import ModelSpec
 from common.resources import GIB, check_disk, check_memory
 from export.loader import read_config
 
-BASELINE = GIB // 2  # the interpreter, torch and onnx before any model
-ARTIFACT_BYTES_PER_PARAMETER = {"mx": 3.5, "float": 7.4}  # weights.bin: raw + prepacked (measured)
+BASELINE = GIB // 2  # the interpreter, torch, transformers and onnx before any model
+LARGEST_TENSOR_COPIES = 12  # float32 copies of the largest tensor in flight (trace, conversion, passes)
+COMPILE_BYTES_PER_PARAMETER = {"mx": 1.6, "float": 4.0}  # ONNX Runtime optimising one graph (measured)
+ARTIFACT_BYTES_PER_PARAMETER = {"mx": 2.4, "float": 8.0}  # weights.bin: kernel form + prepacked (measured)
+EXPORT_BYTES_PER_PARAMETER = {"mx": 0.8, "float": 4.0}  # the exported weights (MXFP6 6.25 bits, or float32)
 
 
-def parameter_count(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> int:
-    """Parameters of a checkpoint, from its config alone (the model is built on the meta device)."""
+def parameter_counts(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> tuple[int, int]:
+    """(all parameters, largest tensor's elements) of a checkpoint, from its config alone (meta device)."""
     config = read_config(model_dir, context_length, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
+    return sum(sizes), max(sizes)
 
 
-def export_memory(params: dict[str, int]) -> int:
-    """Peak bytes: every model in float32, and while one graph is traced, about 4.5 more float32
-    copies of that model in the ONNX exporter (fitted; each graph is saved before the next)."""
-    loaded = sum(4 * p for p in params.values())
-    return BASELINE + loaded + int(max(4 * 4.5 * p for p in params.values()))
+def _kind(spec: ModelSpec) -> str:
+    return "mx" if spec.mx_format else "float"
 
 
-def export_disk(params: dict[str, int], graphs: dict[str, int], specs: dict[str, ModelSpec]) -> int:
-    """Peak bytes on disk: the float32 exports and their converted copies, the artifact, and the
-    compiler's per-graph optimised copies of the largest model."""
-    artifact = {role: ARTIFACT_BYTES_PER_PARAMETER["mx" if specs[role].mx_format else "float"] * p
-                for role, p in params.items()}
-    staging = sum(5.3 * p for p in params.values())
-    return int(staging + sum(artifact.values()) + max((graphs[r] + 1) * artifact[r] for r in params))
+def export_memory(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec]) -> int:
+    """Peak bytes: the larger of streaming one model's tensors and compiling one of its graphs."""
+    streaming = max(LARGEST_TENSOR_COPIES * 4 * largest for _, largest in params.values())
+    compiling = max(COMPILE_BYTES_PER_PARAMETER[_kind(specs[r])] * p for r, (p, _) in params.items())
+    return BASELINE + int(max(streaming, compiling))
 
 
-def check_export_fits(dirs: dict[str, Path], graphs: dict[str, int], specs: dict[str, ModelSpec],
-                      out_dir: Path, context_length: int) -> None:
-    """Refuse an export that would be killed for memory or fill the disk, before it loads anything
-    (an unreadable or unsupported config is refused here too, as loading would)."""
-    params = {role: parameter_count(d, context_length) for role, d in dirs.items()}
-    sizes = ", ".join(f"{role.upper()} {p / 1e9:.2f}B parameters" for role, p in params.items())
-    check_memory(export_memory(params), f"exporting {sizes}",
-                 "float32 weights in torch and in the ONNX exporter while a graph is traced; the exporter "
-                 "does not stream yet")
-    check_disk(export_disk(params, graphs, specs), out_dir.parent, f"exporting {sizes}",
-               "float32 exports, the artifact, and the compiler's per-graph copies")
+def export_disk(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec]) -> int:
+    """Peak bytes on disk: the exports, the artifact, and the compiler's transient copy of one graph
+    (its optimised weights and prepacked blobs) beside a model's lowered weights."""
+    exported = sum(EXPORT_BYTES_PER_PARAMETER[_kind(specs[r])] * p for r, (p, _) in params.items())
+    artifact = {r: ARTIFACT_BYTES_PER_PARAMETER[_kind(specs[r])] * p for r, (p, _) in params.items()}
+    transient = max(2 * a for a in artifact.values())
+    return math.ceil(exported + sum(artifact.values()) + transient)
+
+
+def check_export_fits(dirs: dict[str, Path], specs: dict[str, ModelSpec], out_dir: Path, context_length: int) -> None:
+    """Refuse an export that would be killed for memory or fill the disk, before it reads any weight
+    (an unreadable or unsupported config is refused here too, as exporting would)."""
+    params = {role: parameter_counts(d, context_length) for role, d in dirs.items()}
+    sizes = ", ".join(f"{role.upper()} {p / 1e9:.2f}B parameters" for role, (p, _) in params.items())
+    check_memory(export_memory(params, specs), f"exporting {sizes}",
+                 "ONNX Runtime optimising one graph of the largest model (the weights are streamed)")
+    check_disk(export_disk(params, specs), out_dir.parent, f"exporting {sizes}",
+               "the exports, the artifact, and the compiler's copy of one graph")

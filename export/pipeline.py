@@ -88,8 +88,7 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
-    check_export_fits(dirs, {role: len(graph_plan(recipe, role)) for role in specs}, specs, out_dir,
-                      recipe.context_length)
+    check_export_fits(dirs, specs, out_dir, recipe.context_length)
     models = {role: placeholder_model(d, recipe.context_length) for role, d in dirs.items()}
     if "dlm" in models:
         check_same_vocabulary(dirs["tlm"], dirs["dlm"], models["tlm"], models["dlm"])

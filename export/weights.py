@@ -147,11 +147,12 @@ def read_weight(ref: WeightRef, source: TensorSource, role: str) -> onnx.TensorP
     else:
         raise CheckpointError(f"{role} checkpoint has no tensor {' or '.join(map(repr, ref.keys))} "
                               f"(needed for {ref.name}): it does not match its config")
+    expected = ref.shape[::-1] if ref.transpose else ref.shape
+    if tuple(tensor.shape) != expected:
+        raise CheckpointError(f"{role} weight {key!r} has shape {list(tensor.shape)} in the checkpoint; its config "
+                              f"implies {list(expected)}")
     tensor = tensor.detach().to(torch.float32)
     tensor = tensor.t() if ref.transpose else tensor
-    if tuple(tensor.shape) != ref.shape:
-        raise CheckpointError(f"{role} weight {key!r} has shape {list(tensor.shape)}; the config implies "
-                              f"{list(ref.shape)}")
     array = np.ascontiguousarray(tensor.numpy())
     check_finite(array, key, role)
     return numpy_helper.from_array(array, ref.name)

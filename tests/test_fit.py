@@ -16,7 +16,7 @@ import runtime
 from benchmarks.make_checkpoint import make_checkpoint, tensor_shapes, write_safetensors, write_tokenizer
 from common.resources import GIB, DoesNotFitError
 from export.__main__ import main as export_main
-from export.fit import parameter_count
+from export.fit import parameter_counts
 from tests.conftest import tiny_recipe
 
 
@@ -52,7 +52,9 @@ def test_an_artifact_that_does_not_fit_in_memory_is_refused_before_loading(artif
 def test_the_parameter_count_comes_from_the_config_alone(checkpoints):
     for kind in ("llama-gqa", "draft"):
         model = AutoModelForCausalLM.from_pretrained(checkpoints[kind])
-        assert parameter_count(checkpoints[kind], 64) == model.num_parameters()
+        total, largest = parameter_counts(checkpoints[kind], 64)
+        assert total == model.num_parameters()
+        assert largest == max(p.numel() for p in model.parameters())
 
 
 def test_a_real_shaped_checkpoint_is_written_tensor_by_tensor(tmp_path):

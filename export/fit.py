@@ -22,9 +22,13 @@ from export.loader import read_config
 
 BASELINE = GIB // 2  # the interpreter, torch, transformers and onnx before any model
 LARGEST_TENSOR_COPIES = 12  # float32 copies of the largest tensor in flight (trace, conversion, passes)
-COMPILE_BYTES_PER_PARAMETER = {"mx": 1.6, "float": 4.0}  # ONNX Runtime optimising one graph (measured)
-ARTIFACT_BYTES_PER_PARAMETER = {"mx": 2.4, "float": 8.0}  # weights.bin: kernel form + prepacked (measured)
-EXPORT_BYTES_PER_PARAMETER = {"mx": 0.8, "float": 4.0}  # the exported weights (MXFP6 6.25 bits, or float32)
+# Bytes per parameter, measured (docs/benchmarks.md): ONNX Runtime optimising one graph (PSS above
+# the baseline); weights.bin of the artifact (kernel form and its prepacked copy); the export (MXFP6
+# blocks and float32 embeddings, float16 or float32); the lowered MX weights the compiler reads.
+COMPILE_BYTES_PER_PARAMETER = {"mx": 1.7, "float16": 4.0, "float32": 4.0}
+ARTIFACT_BYTES_PER_PARAMETER = {"mx": 2.55, "float16": 7.6, "float32": 7.6}
+EXPORT_BYTES_PER_PARAMETER = {"mx": 0.9, "float16": 2.0, "float32": 4.0}
+LOWERED_BYTES_PER_PARAMETER = {"mx": 1.1, "float16": 0.0, "float32": 0.0}
 
 
 def parameter_counts(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> tuple[int, int]:
@@ -37,7 +41,7 @@ def parameter_counts(model_dir: Path, context_length: int, trust_remote_code: bo
 
 
 def _kind(spec: ModelSpec) -> str:
-    return "mx" if spec.mx_format else "float"
+    return "mx" if spec.mx_format else spec.dtype
 
 
 def export_memory(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec]) -> int:
@@ -48,12 +52,15 @@ def export_memory(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec
 
 
 def export_disk(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec]) -> int:
-    """Peak bytes on disk: the exports, the artifact, and the compiler's transient copy of one graph
-    (its optimised weights and prepacked blobs) beside a model's lowered weights."""
-    exported = sum(EXPORT_BYTES_PER_PARAMETER[_kind(specs[r])] * p for r, (p, _) in params.items())
-    artifact = {r: ARTIFACT_BYTES_PER_PARAMETER[_kind(specs[r])] * p for r, (p, _) in params.items()}
-    transient = max(2 * a for a in artifact.values())
-    return math.ceil(exported + sum(artifact.values()) + transient)
+    """Peak bytes on disk: the exports, the artifact, and the compiler's transient files for one
+    model: one graph's optimised copy (weights and prepacked blobs) beside the lowered MX weights."""
+    def total(table: dict[str, float], role: str) -> float:
+        return table[_kind(specs[role])] * params[role][0]
+
+    exported = sum(total(EXPORT_BYTES_PER_PARAMETER, r) for r in params)
+    artifact = sum(total(ARTIFACT_BYTES_PER_PARAMETER, r) for r in params)
+    transient = max(total(ARTIFACT_BYTES_PER_PARAMETER, r) + total(LOWERED_BYTES_PER_PARAMETER, r) for r in params)
+    return math.ceil(exported + artifact + transient)
 
 
 def check_export_fits(dirs: dict[str, Path], specs: dict[str, ModelSpec], out_dir: Path, context_length: int) -> None:

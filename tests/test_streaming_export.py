@@ -63,7 +63,7 @@ def test_export_peak_memory_is_bounded_by_a_tensor_not_the_model(tmp_path):
     baseline = _child_peak_bytes("imports")  # the interpreter and the libraries, no model
     peak = _child_peak_bytes("export", str(ckpt), str(tmp_path / "out"))
     written = (tmp_path / "out" / "weights.bin").stat().st_size
-    assert written >= fp32  # the whole model really went through (float32, page-aligned)
+    assert written >= 0.99 * fp32  # the whole model went through (float32; equal norm weights are stored once)
     grown = peak - baseline
     assert grown < PEAK_FRACTION * fp32, (
         f"export grew {grown / 2**30:.2f} GiB above the interpreter's {baseline / 2**30:.2f} GiB for a "

@@ -147,7 +147,7 @@ def trace_structure(
                 dynamo=False,
                 do_constant_folding=True,
                 export_params=False,
-                keep_initializers_as_inputs=True,  # no deduplication by value (which would read every weight)
+                keep_initializers_as_inputs=True,  # no deduplication by value: it would merge the placeholders
             )
         graph = onnx.load(str(path))
     refs = _weight_refs(graph.graph, model, len(io_names))

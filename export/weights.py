@@ -1,7 +1,7 @@
 """Streams a model's weights, one tensor at a time, from its checkpoint into an artifact's weights file.
 
 The traced graphs name every weight they read (`WeightRef`); here each named tensor is read from
-the checkpoint's safetensors (memory-mapped, in the dtype it is stored in), converted to float32,
+the checkpoint's safetensors (plain reads, in the dtype it is stored in), converted to float32,
 transposed if the graph reads it as [in, out], checked, passed through the weight passes (MX
 quantisation, float16 storage) and appended to the shared weights file before the next one is
 read. Peak memory is a few copies of the largest tensor, not the model.

@@ -34,7 +34,7 @@ def test_an_export_that_does_not_fit_in_memory_is_refused_before_loading(checkpo
 
 
 def test_an_export_that_does_not_fit_on_disk_is_refused_before_loading(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setattr(resources, "free_disk", lambda path: 1 << 20)
+    monkeypatch.setattr(resources, "free_disk", lambda path: 1 << 10)
     monkeypatch.setattr(pipeline, "placeholder_model", _no_loading)
     code = export_main(["--recipe", "tiny-stdlib-spd", "--tlm", str(checkpoints["llama-gqa"]), "--dlm",
                         str(checkpoints["draft"]), "--out", str(tmp_path / "art"), "--quiet"])

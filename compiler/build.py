@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
@@ -97,11 +98,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
                 f.unlink()
 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
-        if quant:
-            with shared_file(Path(work) / "lowered.bin") as shared:
-                paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
-        else:
-            paths = merge_external(optimized(Path(work), None), out_dir, info["weights"])
+        with shared_file(Path(work) / "lowered.bin") if quant else nullcontext() as shared:
+            paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
     dims = ModelDims(**info["dims"])
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target)

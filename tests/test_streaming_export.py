@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_a
 PEAK_FRACTION = 0.4  # of the float32 model: the old exporter peaked above 5x (a float32 copy, 4.5 in tracing)
 
 CHILD = textwrap.dedent("""
+    import resource
     import sys
     from pathlib import Path
     sys.path.insert(0, {root!r})
@@ -42,13 +42,16 @@ CHILD = textwrap.dedent("""
         ckpt, out = Path(sys.argv[2]), Path(sys.argv[3])
         export_model(placeholder_model(ckpt, 64), CheckpointTensors(ckpt), out, {{"prefill": 8, "decode": 1}}, 64,
                      progress=False)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """)
 
 
 def _child_peak_bytes(*args: str) -> int:
-    """Peak RSS over the children run so far, after running one more (ru_maxrss is in KiB on Linux)."""
-    subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT)), *args], check=True, cwd=ROOT)
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    """Peak RSS of a fresh child process (its own ru_maxrss, in KiB on Linux): the RUSAGE_CHILDREN
+    maximum of this process would include whatever other tests ran before."""
+    out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT)), *args], check=True, cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1]) * 1024
 
 
 def test_export_peak_memory_is_bounded_by_a_tensor_not_the_model(tmp_path):

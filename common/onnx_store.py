@@ -174,6 +174,11 @@ def _move_prepacked(value: str, src: Path, shared: SharedFile) -> str:
     return f"{key}|{new_offset};{length};{alignment}"
 
 
+def matmul_weights(graph: onnx.GraphProto) -> set[str]:
+    """Names read as the weight (second input) of a MatMul: the weights MX passes may quantize."""
+    return {n.input[1] for n in graph.node if n.op_type == "MatMul"}
+
+
 def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], first: list[onnx.NodeProto]) -> None:
     """Replace the graph's initializers and put `first` (nodes feeding on them) ahead of its nodes."""
     del graph.initializer[:]

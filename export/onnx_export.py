@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from common import graph_io
 from common.graph_io import ModelDims
-from common.onnx_store import rewrite_graph, save_graph, shared_file
+from common.onnx_store import matmul_weights, rewrite_graph, save_graph, shared_file
 from export.weights import (
     KEEP_WEIGHTS,
     TensorSource,
@@ -199,7 +199,7 @@ def export_model(
     traced = {key: trace_structure(model, tokens, context_length, batch)
               for key, tokens in tqdm(graph_tokens.items(), desc=f"trace {role}", disable=not progress)}
     refs = unique_refs(r for _, r in traced.values())
-    matmul = {n.input[1] for graph, _ in traced.values() for n in graph.graph.node if n.op_type == "MatMul"}
+    matmul = set().union(*(matmul_weights(graph.graph) for graph, _ in traced.values()))
     with shared_file(out_dir / WEIGHTS_FILE) as shared:
         stored = write_weights(refs, tensors, shared, passes, matmul, role.upper(), progress)
     for key, (graph, graph_refs) in traced.items():

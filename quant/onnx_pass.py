@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
-from common.onnx_store import rewrite_graph
+from common.onnx_store import matmul_weights, rewrite_graph
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
@@ -169,10 +169,6 @@ class Float16Pass:
 
     def info(self) -> dict:
         return {"storage_dtype": "float16"}
-
-
-def matmul_weights(graph: onnx.GraphProto) -> set[str]:
-    return {n.input[1] for n in graph.node if n.op_type == "MatMul"}
 
 
 class PassChain:

@@ -40,6 +40,11 @@ class Proposal:
         return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)), q)
 
     @property
+    def empty(self) -> bool:
+        """No tree and no auxiliary rows: the round is a plain decode step."""
+        return not len(self.tokens) and not len(self.aux_tokens)
+
+    @property
     def depth(self) -> int:
         """Length of the longest root-to-leaf path (how many cache slots an accepted path can take)."""
         depth = [0]

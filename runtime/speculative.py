@@ -42,7 +42,7 @@ class RoundStats:
         self.draft_s += draft_s
         self.tlm_s += tlm_s
         self.round_s += round_s
-        if not len(proposal.tokens) and not len(proposal.aux_tokens):
+        if proposal.empty:
             self.plain_steps += 1  # a decode step (a lookahead window without candidates is a round)
             return
         self.rounds += 1
@@ -150,14 +150,18 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
         while tlm.length < tlm.context:
             t0 = time.perf_counter()
             proposal = drafter.propose(committed, room=tlm.context - 1 - tlm.length)
-            tokens, parents, sees = proposal.rows(committed[-1])
             t1 = time.perf_counter()
-            logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees)
-            t2 = time.perf_counter()
-            tree = tokens[: len(parents)]
-            path, nxt = verify_round(tree, parents, proposal.q, logits, params, rng)
-            tlm.commit([0, *path])
-            emitted = [*tokens[path].tolist(), nxt]
+            if proposal.empty:  # a plain decode step, as lean as the autoregressive loop's
+                logits = tlm.forward(graph_io.DECODE, np.array(committed[-1:]))
+                t2 = time.perf_counter()
+                path, emitted = [], [next_token(logits[0], params, rng)]
+            else:
+                tokens, parents, sees = proposal.rows(committed[-1])
+                logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees)
+                t2 = time.perf_counter()
+                path, nxt = verify_round(tokens[: len(parents)], parents, proposal.q, logits, params, rng)
+                tlm.commit([0, *path])
+                emitted = [*tokens[path].tolist(), nxt]
             round_s = time.perf_counter() - t0
             drafter.observe(proposal, len(path), emitted, logits, round_s * 1e3)
             stats.record(proposal, len(path), t1 - t0, t2 - t1, round_s)

@@ -1,7 +1,7 @@
 """Per-recipe tokens/s report: the four configurations of the Qualcomm article's Figure 7, side by side.
 
     python -m benchmarks.report [--recipe tiny-stdlib-spd] [--out reports] [--repeats 1] [--warmup 1]
-                                [--tlm DIR] [--dlm DIR]
+                                [--tlm DIR] [--dlm DIR] [--bandwidth-gib 1]
 
 Configurations: baseline (unquantized TLM, autoregressive), MXFP6 TLM autoregressive, unquantized
 speculative decoding, MXFP6 + speculative decoding. Two artifacts are built (cached while the
@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 import runtime
+from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.variants import build_cached, variant
 from common.resources import DoesNotFitError
 from compiler.targets import PROVIDERS
@@ -74,6 +75,10 @@ def summarize(runs: list) -> dict:
         "ttft_ms": 1000 * float(np.mean([x.ttft_s for x in m])),
     }
     spec = [x.speculative for x in m if x.speculative]
+    # model calls per decoded token, for the bandwidth floor (a DLM's count includes its prompt prefill)
+    calls = sum(s["rounds"] + s["plain_decode_steps"] for s in spec) if spec else decode_tokens
+    row["tlm_calls_per_token"] = calls / decode_tokens
+    row["dlm_calls_per_token"] = sum(s.get("dlm_calls", 0) for s in spec) / decode_tokens
     if spec:  # pooled over all rounds of all prompts, like the token rates
         accepted, rounds = sum(s["accepted"] for s in spec), sum(s["rounds"] for s in spec)
         drafted = max(sum(s["drafted"] for s in spec), 1)
@@ -132,6 +137,14 @@ def markdown(report: dict) -> str:
         s, step = rows[spd], 1000 / rows[ar]["decode_tokens_per_s"]
         lines.append(f"| {spd} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
                      f"{s['dlm_step_ms']:.2f} | {s['host_ms_per_round']:.2f} |")
+    lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
+              f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
+              "(ONNX Runtime ReduceSum over 1 GiB, benchmarks/bandwidth.py).", "",
+              "| configuration | TLM calls per token | MB read per token | floor tok/s | measured / floor |",
+              "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['tlm_calls_per_token']:.2f} | {r['weights_read_mb_per_token']:.1f} | "
+                     f"{r['floor_tokens_per_s']:.0f} | {r['decode_tokens_per_s'] / r['floor_tokens_per_s']:.2f} |")
     eq = report["greedy_spd_equals_ar"]
     lines += ["", "Greedy speculative output equals greedy autoregressive output of the same compiled TLM: "
               + ", ".join(f"{k}: {sum(v)}/{len(v)} prompts" for k, v in eq.items()) + "."]
@@ -168,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, help="default: the recipe's max_new_tokens")
     parser.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
     parser.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
+    parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the read-bandwidth probe")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
     for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
@@ -201,10 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats)
     rows = {name: summarize(r) for name, r in runs.items()}
     memory = {k: memory_mib(d) for k, d in dirs.items()}
+    bandwidth = read_bandwidth_gbs(args.bandwidth_gib)
+    per_call = {(which, m): weight_bytes_per_call(d, m) / 1e6 for which, d in dirs.items() for m in ("tlm", "dlm")}
     for name, row in rows.items():
+        which = CONFIGS[name][0]
         row["speedup"] = row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
-        row["pss_mib"] = memory[CONFIGS[name][0]]["pss_after_generate_mib"]
-    report = {"meta": metadata(recipe, arts, args), "status": "measured", "configs": rows,
+        row["pss_mib"] = memory[which]["pss_after_generate_mib"]
+        row["weights_read_mb_per_token"] = (row["tlm_calls_per_token"] * per_call[which, "tlm"]
+                                            + row["dlm_calls_per_token"] * per_call[which, "dlm"])
+        row["floor_tokens_per_s"] = bandwidth * 1e3 / row["weights_read_mb_per_token"]
+    report = {"meta": metadata(recipe, arts, args) | {"read_bandwidth_gb_per_s": bandwidth}, "status": "measured",
+              "configs": rows,
               "greedy_spd_equals_ar": greedy_equal(runs),
               "weights_mib": {k: v["weights_mib"] for k, v in memory.items()}}
     (out / "report.json").write_text(json.dumps(report, indent=2))

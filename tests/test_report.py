@@ -26,7 +26,8 @@ model = "{dlm}"
 
 def test_report_measures_four_configurations(checkpoints, tmp_path):
     recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], checkpoints["draft"])
-    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--warmup", "0"]) == 0
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--warmup", "0",
+                        "--bandwidth-gib", "0.125"]) == 0
     out = tmp_path / "out" / "tiny-report"
     data = json.loads((out / "report.json").read_text())
     assert list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
@@ -36,8 +37,13 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
     assert data["meta"]["precisions"]["MXFP6 TLM"].startswith("fp6_e2m3")
     spd = data["configs"]["SpD"]
     assert spd["tlm_score_ms"] > 0 and spd["dlm_step_ms"] > 0 and spd["host_ms_per_round"] >= 0
+    rows = data["configs"]
+    assert rows["baseline"]["tlm_calls_per_token"] == 1.0 and rows["MXFP6"]["dlm_calls_per_token"] == 0.0
+    assert 0 < rows["MXFP6 + SpD"]["tlm_calls_per_token"] <= 1.0 and rows["SpD"]["dlm_calls_per_token"] > 0
+    assert rows["MXFP6"]["weights_read_mb_per_token"] < 0.5 * rows["baseline"]["weights_read_mb_per_token"]
+    assert data["meta"]["read_bandwidth_gb_per_s"] > 0.5  # any machine reads faster than this
     md = (out / "report.md").read_text()
-    assert "| MXFP6 + SpD |" in md and "Where the time goes" in md
+    assert "| MXFP6 + SpD |" in md and "Where the time goes" in md and "Bandwidth floor" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -91,3 +97,19 @@ def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints):
     assert len(nll) == len(tokens) - 1
     np.testing.assert_allclose(nll, np.concatenate(ref_nll), atol=1e-4)
     assert (top1 == np.concatenate(ref_top1)).all()
+
+
+def test_weight_bytes_per_call_counts_every_matrix_weight_once(checkpoints, tmp_path):
+    """A float32 decode call reads 4 bytes per parameter of every Linear layer (the embedding only gathers a row)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.bandwidth import weight_bytes_per_call
+    from benchmarks.variants import build_cached
+    from recipes import get_recipe
+
+    recipe = get_recipe(write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], checkpoints["draft"]))
+    art = build_cached(recipe, tmp_path / "art", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"])
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert weight_bytes_per_call(art, "tlm") == 4 * linear

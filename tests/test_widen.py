@@ -161,10 +161,10 @@ def test_a_killed_build_is_cleaned_by_the_next(tmp_path):
     assert not (tmp_path / "w" / MARKER).exists()
 
 
-def test_wide_recipe_pairs_the_wide_tlm_with_the_shipped_dlm():
+def test_wide_recipe_pairs_the_wide_tlm_with_the_distilled_dlm():
     wide, tiny = get_recipe("stdlib-wide-spd"), get_recipe("tiny-stdlib-spd")
-    assert wide.tlm.model == "builtin:stdlib-tlm-wide" and wide.tlm.mx_format == "fp6_e2m3"
-    assert wide.dlm == tiny.dlm
+    assert wide.tlm.model == "builtin:stdlib-tlm-wide" and wide.tlm.mx_format == "fp6_e2m3" and wide.tlm.mx_lm_head
+    assert wide.dlm.model == "builtin:stdlib-dlm-distilled" and wide.dlm.dtype == tiny.dlm.dtype
     assert (wide.prompts, wide.k, wide.context_length, wide.sampling) == (
         tiny.prompts, tiny.k, tiny.context_length, tiny.sampling)
 

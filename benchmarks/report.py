@@ -139,7 +139,7 @@ def markdown(report: dict) -> str:
                      f"{s['dlm_step_ms']:.2f} | {s['host_ms_per_round']:.2f} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
               f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
-              "(ONNX Runtime ReduceSum over 1 GiB, benchmarks/bandwidth.py).", "",
+              "(a 2-thread sum over 1 GiB, benchmarks/bandwidth.py).", "",
               "| configuration | TLM calls per token | MB read per token | floor tok/s | measured / floor |",
               "|---|---|---|---|---|"]
     for name, r in rows.items():

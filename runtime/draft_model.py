@@ -56,8 +56,12 @@ class DraftModelDrafter:
         self.kept, self.pending = self.dlm.length, []
         drafts, q = np.zeros(k, np.int64), np.zeros((k, logits.shape[-1]))
         for i in range(k):
-            q[i] = warp(logits, self.params)
-            drafts[i] = sample(q[i], self.rng)
+            if self.params.do_sample:
+                q[i] = warp(logits, self.params)
+                drafts[i] = sample(q[i], self.rng)
+            else:  # a greedy draft is the argmax, q its one-hot (what warp gives), no random draw
+                drafts[i] = np.argmax(logits)
+                q[i, drafts[i]] = 1.0
             if i < k - 1:
                 logits = self.dlm.forward(graph_io.DECODE, drafts[i : i + 1])[0]
         return Proposal.chain(drafts, q)

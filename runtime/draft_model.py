@@ -74,7 +74,7 @@ class DraftModelDrafter:
             self.pending = [int(proposal.tokens[-1]), emitted[-1]] if accepted == k else emitted[-1:]
         else:
             self.pending.append(emitted[-1])
-        self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3)
+        self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3, self.behind_s * 1e3)
         self.behind_s = 0.0
 
     def summary(self) -> dict:

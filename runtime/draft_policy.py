@@ -18,7 +18,11 @@ estimate starts at a prior worth a few drafts. After a run of plain rounds the p
 with the smallest k (a probe), so a generation whose text turns predictable later is noticed. The
 run is at least `probe_every` rounds, doubles after each probe that changed nothing, and is long
 enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe
-loses its cost minus the plain steps its expected tokens would have taken). Symmetrically, after
+loses its cost minus the plain steps its expected tokens would have taken, plus its drafter's
+catch-up on those plain steps). Drafting must be predicted `margin` faster than plain decoding:
+near break-even, noise in the estimates would make it lose as often as win. A plain step is
+measured only when the one before it was plain too: the first of a generation, or one right after
+drafting, runs a decode session that sat idle. Symmetrically, after
 `remeasure_every` drafting rounds in a row a plain step is measured again, replacing its estimate.
 """
 
@@ -39,6 +43,7 @@ class DraftPolicy:
         probe_every: int = 8,
         probe_share: float = 0.02,
         remeasure_every: int = 32,
+        margin: float = 0.05,
     ) -> None:
         if not score_ms:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
@@ -54,10 +59,12 @@ class DraftPolicy:
         self.measured: set[int] = set()
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
-        self.remeasure_every = remeasure_every
+        self.remeasure_every, self.margin = remeasure_every, margin
         self.drafted = self.accepted = 0
         self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
+        self.catch_up = 0.0  # ms the last probe spent feeding the DLM what the plain steps before it committed
+        self.last_k: int | None = None  # the previous round's k (None: a generation starts)
 
     @property
     def k_max(self) -> int:
@@ -84,6 +91,8 @@ class DraftPolicy:
             self.drafting_in_a_row = 0
             return 0  # measure a plain step (first, or again): it is what drafting has to beat
         best = max(ks, key=self.rate)
+        if best > 0 and self.rate(best) < (1 + self.margin) * self.rate(0):
+            best = 0  # too close to call: estimation noise would make drafting lose as often as win
         if best > 0:
             self.wait = self.probe_every
             self.drafting_in_a_row += 1
@@ -102,18 +111,27 @@ class DraftPolicy:
         return best
 
     def _probe_gap(self, k: int) -> float:
-        """Plain rounds per probe of k that keep probing within probe_share of the time."""
-        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0]
+        """Plain rounds per probe of k that keep probing within probe_share of the time. A probe
+        also pays for its drafter's catch-up on the plain steps before it (a DLM prefill, cold)."""
+        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0] + self.catch_up
         return loss / (self.probe_share * self.cost[0])
 
     def new_generation(self) -> None:
         self.drafted, self.accepted = self.drafted // 2, self.accepted // 2
         self.plain_in_a_row = 0
         self.wait = self.probe_every
+        self.last_k = None
 
-    def observe(self, k: int, accepted: int, round_ms: float) -> None:
-        """A finished round: k drafted (0: a decode step), how many were accepted, its wall time."""
-        if self.adapt_costs:
+    def observe(self, k: int, accepted: int, round_ms: float, catch_up_ms: float = 0.0) -> None:
+        """A finished round: k drafted (0: a decode step), how many were accepted, its wall time
+        (without `catch_up_ms`, the drafter's catch-up on earlier plain steps, which prices probes).
+
+        A plain step right after drafting (or first in a generation) runs a decode session that sat
+        idle and costs more than the steady plain decoding it stands for; it is not measured."""
+        cold_plain, self.last_k = k == 0 and self.last_k != 0, k
+        if catch_up_ms > 0:
+            self.catch_up = catch_up_ms
+        if self.adapt_costs and not cold_plain:
             if k in self.measured:
                 self.cost[k] += self.smoothing * (round_ms - self.cost[k])
             else:  # a first measurement replaces the estimate, and rescales the unmeasured drafting ones

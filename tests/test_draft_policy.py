@@ -20,7 +20,9 @@ def policy(**kw) -> DraftPolicy:
 
 
 def feed(p: DraftPolicy, accepted_fraction: float, rounds: int = 50, k: int = 4) -> None:
-    """A plain step, then rounds with this acceptance, each costing what the policy expects."""
+    """Two plain steps (the first of a generation is cold, not measured), then rounds with this
+    acceptance, each costing what the policy expects."""
+    p.observe(0, 0, p.cost[0])
     p.observe(0, 0, p.cost[0])
     for i in range(rounds):
         n = round(accepted_fraction * k) if i % 2 else int(accepted_fraction * k)
@@ -46,6 +48,8 @@ def test_high_acceptance_drafts_the_most_low_acceptance_decodes_plainly():
 def test_the_first_round_measures_a_plain_step_when_costs_adapt():
     fresh, frozen = policy(), policy(adapt_costs=False)
     assert fresh.choose(100) == 0 and frozen.choose(100) > 0
+    fresh.observe(0, 0, 10.0)  # cold: measured again
+    assert fresh.choose(100) == 0
     fresh.observe(0, 0, 10.0)
     assert fresh.choose(100) > 0  # prior acceptance 0.5 and cheap scoring: drafting pays
 
@@ -112,6 +116,46 @@ def test_a_plain_step_measured_in_a_slow_spell_is_measured_again():
     stuck.observe(0, 0, 1000.0)
     stuck.observe(0, 0, 1000.0)
     assert all(stuck.choose(100) > 0 for _ in range(100))  # the control: never re-measured
+
+
+def test_drafting_must_be_predicted_clearly_faster():
+    p, eager = policy(), policy(margin=0.0)
+    for q in (p, eager):
+        feed(q, 0.5)
+        q.cost[0] = 1.03 / q.rate(4)  # drafting 4 tokens is predicted 3% faster than plain decoding
+        q.cost.update({k: 1e9 for k in (1, 2, 3)})
+    assert eager.choose(100) == 4 and p.choose(100) == 0
+    p.cost[0] *= 1.1
+    assert p.choose(100) == 4
+
+
+def test_cold_plain_steps_are_not_measured():
+    """The first plain step of a generation, and one right after drafting, ran an idle decode session."""
+    p = policy()
+    assert p.choose(100) == 0
+    p.observe(0, 0, 50.0)  # cold: first of the generation
+    assert 0 not in p.measured and p.choose(100) == 0  # so it measures again
+    p.observe(0, 0, 10.0)
+    assert p.cost[0] == 10.0
+    p.observe(4, 4, p.cost[4])
+    p.observe(0, 0, 50.0)  # right after drafting: cold again
+    assert p.cost[0] == 10.0
+    p.observe(0, 0, 20.0)  # a plain step after a plain step counts
+    assert p.cost[0] == pytest.approx(10.0 + p.smoothing * 10.0)
+
+
+def test_a_probe_is_charged_its_drafters_catch_up():
+    """A DLM that must prefill every plain step's token before a probe makes probes rarer."""
+    def probes(catch_up_ms: float) -> int:
+        p = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES}, probe_every=1)  # drafting never pays
+        feed(p, 0.0)
+        n = 0
+        for _ in range(3000):
+            k = p.choose(100)
+            n += k > 0
+            p.observe(k, 0, p.cost[k], catch_up_ms if k else 0.0)
+        return n
+    assert probes(0.0) >= 3 * probes(200.0) >= 3
 
 
 def test_a_first_measurement_rescales_the_unmeasured_estimates():

@@ -22,8 +22,10 @@ loses its cost minus the plain steps its expected tokens would have taken, plus 
 catch-up on those plain steps). Drafting must be predicted `margin` faster than plain decoding:
 near break-even, noise in the estimates would make it lose as often as win. A plain step is
 measured only when the one before it was plain too: the first of a generation, or one right after
-drafting, runs a decode session that sat idle. Symmetrically, after
-`remeasure_every` drafting rounds in a row a plain step is measured again, replacing its estimate.
+drafting, runs a decode session that sat idle. Two are measured before the first draft, and a
+plain step faster than the estimate replaces it at once (slower ones are averaged in), so that
+plain decoding is not underrated. Symmetrically, after `remeasure_every` drafting rounds in a row
+a plain step is measured again, replacing its estimate.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class DraftPolicy:
         self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
         self.cost[0] = decode
         self.measured: set[int] = set()
+        self.plain_wanted = 2  # warm plain steps to measure before drafting (again: 1)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
         self.remeasure_every, self.margin = remeasure_every, margin
@@ -87,7 +90,7 @@ class DraftPolicy:
         ks = sorted(k for k in self.cost if k <= limit)
         if self.fixed is not None:
             return max(k for k in ks if k <= self.fixed)
-        if self.adapt_costs and 0 not in self.measured:
+        if self.adapt_costs and self.plain_wanted > 0:
             self.drafting_in_a_row = 0
             return 0  # measure a plain step (first, or again): it is what drafting has to beat
         best = max(ks, key=self.rate)
@@ -98,6 +101,7 @@ class DraftPolicy:
             self.drafting_in_a_row += 1
             if self.drafting_in_a_row >= self.remeasure_every:
                 self.measured.discard(0)  # a plain step's cost goes stale while drafting (one slow
+                self.plain_wanted = 1
                 # spell of the machine would otherwise keep it high): the next round measures it anew
         elif len(ks) > 1 and self.plain_in_a_row >= max(self.wait, self._probe_gap(probe := min(ks[1:]))):
             self.wait *= 2  # back off: the last probe did not change the choice
@@ -132,8 +136,12 @@ class DraftPolicy:
         if catch_up_ms > 0:
             self.catch_up = catch_up_ms
         if self.adapt_costs and not cold_plain:
+            if k == 0:
+                self.plain_wanted = max(0, self.plain_wanted - 1)
             if k in self.measured:
                 self.cost[k] += self.smoothing * (round_ms - self.cost[k])
+                if k == 0:  # a faster plain step counts at once: underrating plain decoding can lose
+                    self.cost[0] = min(self.cost[0], round_ms)
             else:  # a first measurement replaces the estimate, and rescales the unmeasured drafting ones
                 scale = round_ms / self.cost[k]
                 self.cost[k] = round_ms

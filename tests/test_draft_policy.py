@@ -20,10 +20,10 @@ def policy(**kw) -> DraftPolicy:
 
 
 def feed(p: DraftPolicy, accepted_fraction: float, rounds: int = 50, k: int = 4) -> None:
-    """Two plain steps (the first of a generation is cold, not measured), then rounds with this
-    acceptance, each costing what the policy expects."""
-    p.observe(0, 0, p.cost[0])
-    p.observe(0, 0, p.cost[0])
+    """Three plain steps (the first of a generation is cold, not measured; two are measured before
+    drafting), then rounds with this acceptance, each costing what the policy expects."""
+    for _ in range(3):
+        p.observe(0, 0, p.cost[0])
     for i in range(rounds):
         n = round(accepted_fraction * k) if i % 2 else int(accepted_fraction * k)
         p.observe(k, n, p.cost[k])
@@ -50,8 +50,10 @@ def test_the_first_round_measures_a_plain_step_when_costs_adapt():
     assert fresh.choose(100) == 0 and frozen.choose(100) > 0
     fresh.observe(0, 0, 10.0)  # cold: measured again
     assert fresh.choose(100) == 0
+    fresh.observe(0, 0, 12.0)
+    assert fresh.choose(100) == 0  # two warm plain steps before the first draft
     fresh.observe(0, 0, 10.0)
-    assert fresh.choose(100) > 0  # prior acceptance 0.5 and cheap scoring: drafting pays
+    assert fresh.cost[0] == 10.0 and fresh.choose(100) > 0  # a faster plain step counts at once  # prior acceptance 0.5 and cheap scoring: drafting pays
 
 
 def test_a_costly_scoring_call_or_draft_model_turns_drafting_off():
@@ -137,6 +139,7 @@ def test_cold_plain_steps_are_not_measured():
     assert 0 not in p.measured and p.choose(100) == 0  # so it measures again
     p.observe(0, 0, 10.0)
     assert p.cost[0] == 10.0
+    p.observe(0, 0, 10.0)
     p.observe(4, 4, p.cost[4])
     p.observe(0, 0, 50.0)  # right after drafting: cold again
     assert p.cost[0] == 10.0

@@ -1,8 +1,9 @@
 """Drafting with a draft model (DLM): catch up on committed tokens, then sample a chain of k.
 
 Invariant between rounds: the DLM has processed the committed tokens except `pending` (1 token,
-2 after a full accept (the last draft and the bonus token), more after plain decode steps), which
-it catches up on before drafting. Rejected drafts are purged by rewinding its cache.
+2 after a full accept (the last draft and the bonus token), more after plain decode steps, all of
+them before the first draft of a generation), which it catches up on before drafting. Rejected
+drafts are purged by rewinding its cache.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class DraftModelDrafter:
         self.calls0 = dlm.calls
 
     def start(self, committed: list[int]) -> None:
+        # The prompt is fed at the first draft (a catch-up), not now: while the policy decodes
+        # plainly the DLM never runs, and does not evict the TLM's weights from the caches.
         self.dlm.rewind(0)
-        self.dlm.prefill(np.array(committed[:-1]))
-        self.pending = committed[-1:]
+        self.pending = list(committed)
 
     def _catch_up(self) -> np.ndarray:
         """Feed the DLM the committed tokens it has not seen; returns the last one's logits."""

@@ -87,32 +87,34 @@ class DraftPolicy:
 
     def choose(self, limit: int) -> int:
         """The draft length for this round; at most `limit` (the slots left for scoring)."""
-        ks = sorted(k for k in self.cost if k <= limit)
         if self.fixed is not None:
-            return max(k for k in ks if k <= self.fixed)
+            return max((k for k in self.cost if k <= min(limit, self.fixed)), default=0)
         if self.adapt_costs and self.plain_wanted > 0:
             self.drafting_in_a_row = 0
             return 0  # measure a plain step (first, or again): it is what drafting has to beat
-        best = max(ks, key=self.rate)
-        if best > 0 and self.rate(best) < (1 + self.margin) * self.rate(0):
-            best = 0  # too close to call: estimation noise would make drafting lose as often as win
+        # The fastest k, where drafting must beat plain decoding by the margin: too close to call,
+        # estimation noise would make it lose as often as win. (Runs every round: kept lean.)
+        best, bar, probe = 0, (1 + self.margin) / self.cost[0], limit + 1
+        for k, cost in self.cost.items():
+            if 0 < k <= limit:
+                probe = min(probe, k)
+                if (rate := self.expected_tokens(k) / cost) > bar:
+                    best, bar = k, rate
         if best > 0:
             self.wait = self.probe_every
             self.drafting_in_a_row += 1
+            self.plain_in_a_row = 0
             if self.drafting_in_a_row >= self.remeasure_every:
                 self.measured.discard(0)  # a plain step's cost goes stale while drafting (one slow
-                self.plain_wanted = 1
-                # spell of the machine would otherwise keep it high): the next round measures it anew
-        elif len(ks) > 1 and self.plain_in_a_row >= max(self.wait, self._probe_gap(probe := min(ks[1:]))):
+                self.plain_wanted = 1  # spell of the machine would otherwise keep it high): measure anew
+            return best
+        self.drafting_in_a_row = 0
+        if probe <= limit and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe):
             self.wait *= 2  # back off: the last probe did not change the choice
             self.plain_in_a_row = 0
             return probe  # is drafting paying off again?
-        if best == 0:
-            self.plain_in_a_row += 1
-            self.drafting_in_a_row = 0
-        else:
-            self.plain_in_a_row = 0
-        return best
+        self.plain_in_a_row += 1
+        return 0
 
     def _probe_gap(self, k: int) -> float:
         """Plain rounds per probe of k that keep probing within probe_share of the time. A probe

@@ -10,8 +10,8 @@ estimation error.
 
 Costs start from the compiler's measurements (manifest). With `adapt_costs` they follow what this
 process measures (the first measurement of a k replaces its estimate, later ones are averaged in),
-since the machine, its load, host work and the interplay of sessions differ; the first round is
-then a plain step, to measure what drafting must beat. The runtime adapts only when the TLM is
+since the machine, its load, host work and the interplay of sessions differ; the first rounds are
+then plain steps, to measure what drafting must beat. The runtime adapts only when the TLM is
 greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
 estimate starts at a prior worth a few drafts. After a run of plain rounds the policy drafts once
@@ -25,7 +25,7 @@ measured only when the one before it was plain too: the first of a generation, o
 drafting, runs a decode session that sat idle. Two are measured before the first draft, and a
 plain step faster than the estimate replaces it at once (slower ones are averaged in), so that
 plain decoding is not underrated. Symmetrically, after `remeasure_every` drafting rounds in a row
-a plain step is measured again, replacing its estimate.
+plain steps are measured again.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ class DraftPolicy:
             self.drafting_in_a_row += 1
             self.plain_in_a_row = 0
             if self.drafting_in_a_row >= self.remeasure_every:
-                self.measured.discard(0)  # a plain step's cost goes stale while drafting (one slow
-                self.plain_wanted = 1  # spell of the machine would otherwise keep it high): measure anew
+                # A plain step's cost goes stale while drafting (one slow spell of the machine would
+                # otherwise keep it high): measure it again, warm (the first after drafting is cold).
+                self.plain_wanted = 2
             return best
         self.drafting_in_a_row = 0
         if probe <= limit and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe):

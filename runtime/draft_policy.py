@@ -59,6 +59,7 @@ class DraftPolicy:
         self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
         self.cost[0] = decode
         self.measured: set[int] = set()
+        self.tried: set[int] = set()  # draft lengths run at least once (whose sessions are warm)
         self.plain_wanted = 2  # warm plain steps to measure before drafting (again: 1)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
@@ -134,11 +135,15 @@ class DraftPolicy:
         (without `catch_up_ms`, the drafter's catch-up on earlier plain steps, which prices probes).
 
         A plain step right after drafting (or first in a generation) runs a decode session that sat
-        idle and costs more than the steady plain decoding it stands for; it is not measured."""
-        cold_plain, self.last_k = k == 0 and self.last_k != 0, k
+        idle and costs more than the steady plain decoding it stands for; the first round of a draft
+        length runs its scoring session for the first time. Neither is measured: a cold first
+        measurement, rescaling the others, could keep the policy off the best draft length for good."""
+        cold = self.last_k != 0 if k == 0 else k not in self.tried
+        self.last_k = k
+        self.tried.add(k)
         if catch_up_ms > 0:
             self.catch_up = catch_up_ms
-        if self.adapt_costs and not cold_plain:
+        if self.adapt_costs and not cold:
             if k == 0:
                 self.plain_wanted = max(0, self.plain_wanted - 1)
             if k in self.measured:

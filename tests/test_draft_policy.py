@@ -165,6 +165,8 @@ def test_a_first_measurement_rescales_the_unmeasured_estimates():
     p = policy()
     p.observe(0, 0, 10.0)
     before = dict(p.cost)
+    p.observe(4, 2, 30 * before[4])  # the first round of a draft length is cold: not measured
+    assert p.cost == before
     p.observe(4, 2, 3 * before[4])  # drafting costs three times what the manifest suggested
     assert p.cost[1] == pytest.approx(3 * before[1]) and p.cost[0] == 10.0
 
@@ -191,6 +193,7 @@ def test_fixed_draft_length_and_costs_that_follow_measurements():
     expected = frozen.cost[4]
     assert expected == SCORES[4] + 5 * 1.0  # scoring plus k drafting steps and a catch-up step
     for q in (adapting, frozen):
+        q.observe(4, 4, 500.0)  # cold: not measured
         q.observe(4, 4, 50.0)
     assert adapting.cost[4] == 50.0 and frozen.cost[4] == expected  # a first measurement replaces the estimate
     adapting.observe(4, 4, 40.0)

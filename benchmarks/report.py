@@ -81,13 +81,13 @@ def summarize(runs: list) -> dict:
     row["dlm_calls_per_token"] = sum(s.get("dlm_calls", 0) for s in spec) / decode_tokens
     if spec:  # pooled over all rounds of all prompts, like the token rates
         accepted, rounds = sum(s["accepted"] for s in spec), sum(s["rounds"] for s in spec)
-        drafted = max(sum(s["drafted"] for s in spec), 1)
-        row["acceptance_rate"] = accepted / drafted
+        drafted = sum(s["drafted"] for s in spec)
+        row["acceptance_rate"] = accepted / max(drafted, 1)
         row["mean_accepted_length"] = 1 + accepted / max(rounds, 1)
         # where a round's time goes, pooled: one TLM call (scoring or a plain step), drafting, host work
         steps = max(sum(sp["rounds"] + sp["plain_decode_steps"] for sp in spec), 1)
         row["tlm_score_ms"] = 1000 * sum(sp["tlm_s"] for sp in spec) / steps
-        row["dlm_step_ms"] = 1000 * sum(sp["draft_s"] for sp in spec) / drafted
+        row["dlm_step_ms"] = 1000 * sum(sp["draft_s"] for sp in spec) / drafted if drafted else None
         row["host_ms_per_round"] = 1000 * sum(sp["host_s"] for sp in spec) / steps
     return row
 
@@ -135,8 +135,9 @@ def markdown(report: dict) -> str:
               "|---|---|---|---|---|---|"]
     for spd, ar in (("SpD", "baseline"), ("MXFP6 + SpD", "MXFP6")):
         s, step = rows[spd], 1000 / rows[ar]["decode_tokens_per_s"]
+        dlm = "-" if s["dlm_step_ms"] is None else f"{s['dlm_step_ms']:.2f}"  # nothing drafted
         lines.append(f"| {spd} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
-                     f"{s['dlm_step_ms']:.2f} | {s['host_ms_per_round']:.2f} |")
+                     f"{dlm} | {s['host_ms_per_round']:.2f} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
               f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
               "(a 2-thread sum over 1 GiB, benchmarks/bandwidth.py).", "",

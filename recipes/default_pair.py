@@ -17,6 +17,7 @@ import shutil
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -114,30 +115,45 @@ def new_model(name: str, tok: PreTrainedTokenizerFast, seed: int) -> LlamaForCau
     return LlamaForCausalLM(config)
 
 
-def train_model(name: str, tok: PreTrainedTokenizerFast, stream: np.ndarray, progress: bool = True) -> LlamaForCausalLM:
-    """AdamW with warm-up and cosine decay on random windows of the stream, all from fixed seeds."""
+def optimise(model: LlamaForCausalLM, stream: np.ndarray, hp: dict, loss: Callable[[torch.Tensor], torch.Tensor],
+             lr_at: Callable[[int], float], rng: np.random.Generator, weight_decay: float, desc: str,
+             progress: bool = True) -> LlamaForCausalLM:
+    """AdamW on random windows of the stream (`rng` picks them), learning rate `lr_at(step)`: the loop
+    that trains the default pair and distils draft models."""
     from tqdm import tqdm
 
-    hp = TRAINING[name]
-    model = new_model(name, tok, hp["seed"]).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    rng = np.random.default_rng(DATA_SEED)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=weight_decay)
     n = hp["seq_len"]
-    bar = tqdm(range(hp["steps"]), desc=f"training {name}", disable=not progress, unit="step")
+    bar = tqdm(range(hp["steps"]), desc=desc, disable=not progress, unit="step")
     for step in bar:
-        warm = min(1.0, (step + 1) / hp["warmup"])
-        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * step / hp["steps"]))
         for group in opt.param_groups:
-            group["lr"] = hp["lr"] * warm * cosine
+            group["lr"] = lr_at(step)
         starts = rng.integers(0, len(stream) - n, size=hp["batch"])
-        batch = torch.from_numpy(np.stack([stream[s:s + n] for s in starts]))
-        loss = model(input_ids=batch, labels=batch).loss  # the model shifts labels itself
+        value = loss(torch.from_numpy(np.stack([stream[s:s + n] for s in starts])))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{value.item():.3f}")
     return model.eval()
+
+
+def train_model(name: str, tok: PreTrainedTokenizerFast, stream: np.ndarray, progress: bool = True) -> LlamaForCausalLM:
+    """Warm-up and cosine decay to 0.1 of the peak, all from fixed seeds."""
+    hp = TRAINING[name]
+    model = new_model(name, tok, hp["seed"])
+
+    def lr_at(step: int) -> float:
+        warm = min(1.0, (step + 1) / hp["warmup"])
+        cosine = 0.1 + 0.45 * (1 + math.cos(math.pi * step / hp["steps"]))
+        return hp["lr"] * warm * cosine
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=batch, labels=batch).loss  # the model shifts labels itself
+
+    return optimise(model, stream, hp, loss, lr_at, np.random.default_rng(DATA_SEED), 0.1, f"training {name}",
+                    progress)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from recipes.default_pair import BUILTIN_DIR, encode_files, stdlib_files
+from recipes.default_pair import BUILTIN_DIR, encode_files, optimise, stdlib_files
 
 # builtin name -> how it is made: the teacher, the shipped model the student starts from, optimisation
 DISTILLED: dict[str, dict] = {
@@ -48,27 +48,15 @@ def kl_to_teacher(student: LlamaForCausalLM, teacher: LlamaForCausalLM, batch: t
 
 def distill(teacher: LlamaForCausalLM, student: LlamaForCausalLM, stream: np.ndarray, hp: dict,
             progress: bool = True) -> LlamaForCausalLM:
-    """Train `student` in place toward `teacher`: AdamW with warm-up and cosine decay on random
-    windows of the stream, all from fixed seeds."""
-    from tqdm import tqdm
-
+    """Train `student` in place toward `teacher`: warm-up and cosine decay to 0, from fixed seeds."""
     torch.manual_seed(hp["seed"])
-    teacher, student = teacher.eval(), student.train()
-    opt = torch.optim.AdamW(student.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    rng = np.random.default_rng(hp["seed"])
-    n, steps = hp["seq_len"], hp["steps"]
-    bar = tqdm(range(steps), desc="distilling", disable=not progress, unit="step")
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = hp["lr"] * min(1.0, (step + 1) / hp["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        starts = rng.integers(0, len(stream) - n, size=hp["batch"])
-        loss = kl_to_teacher(student, teacher, torch.from_numpy(np.stack([stream[s:s + n] for s in starts])))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        bar.set_postfix(kl=f"{loss.item():.3f}")
-    return student.eval()
+    teacher = teacher.eval()
+
+    def lr_at(step: int) -> float:
+        return hp["lr"] * min(1.0, (step + 1) / hp["warmup"]) * 0.5 * (1 + math.cos(math.pi * step / hp["steps"]))
+
+    return optimise(student, stream, hp, lambda batch: kl_to_teacher(student, teacher, batch), lr_at,
+                    np.random.default_rng(hp["seed"]), 0.0, "distilling", progress)
 
 
 @torch.no_grad()

@@ -53,7 +53,8 @@ def test_the_first_round_measures_a_plain_step_when_costs_adapt():
     fresh.observe(0, 0, 12.0)
     assert fresh.choose(100) == 0  # two warm plain steps before the first draft
     fresh.observe(0, 0, 10.0)
-    assert fresh.cost[0] == 10.0 and fresh.choose(100) > 0  # a faster plain step counts at once  # prior acceptance 0.5 and cheap scoring: drafting pays
+    assert fresh.cost[0] == 10.0  # a faster plain step counts at once
+    assert fresh.choose(100) > 0  # prior acceptance 0.5 and cheap scoring: drafting pays
 
 
 def test_a_costly_scoring_call_or_draft_model_turns_drafting_off():

@@ -182,7 +182,7 @@ def test_dlm_flag_adds_a_draft_model_to_a_recipe_without_one(checkpoints, tmp_pa
     assert "adding" in caplog.text and "DLM" in caplog.text
     art = runtime.load_artifact(out)
     assert art.manifest.models["dlm"].source == str(checkpoints["draft"])
-    spd = runtime.generate(art, [5, 6, 7], max_new_tokens=12, speculative=True)
+    spd = runtime.generate(art, [5, 6, 7], max_new_tokens=12, speculative=True, draft_length=1)  # always drafts
     assert spd.metrics.speculative["dlm_calls"] > 0
     assert spd.token_ids == runtime.generate(art, [5, 6, 7], max_new_tokens=12, speculative=False).token_ids
 

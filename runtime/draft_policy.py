@@ -60,7 +60,7 @@ class DraftPolicy:
         self.cost[0] = decode
         self.measured: set[int] = set()
         self.tried: set[int] = set()  # draft lengths run at least once (whose sessions are warm)
-        self.plain_wanted = 2  # warm plain steps to measure before drafting (again: 1)
+        self.plain_wanted = 2  # warm plain steps to measure before drafting (first, and on re-measuring)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
         self.remeasure_every, self.margin = remeasure_every, margin

@@ -35,6 +35,9 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, allocations: int = 3)
     allocation now and then reads at 48-50 GB/s here)."""
     import torch
 
+    if not gib * 2**30 >= 4 * 4096 or repeats < 1 or allocations < 1:
+        raise ValueError(f"the probe needs at least one 16 KiB row, one repeat and one allocation; got gib={gib}, "
+                         f"repeats={repeats}, allocations={allocations}")
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     best = float("inf")
     for _ in range(allocations):

@@ -114,3 +114,12 @@ def test_weight_bytes_per_call_counts_every_matrix_weight_once(checkpoints, tmp_
     model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"])
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert weight_bytes_per_call(art, "tlm") == 4 * linear
+
+
+def test_bandwidth_probe_refuses_an_empty_probe():
+    import pytest
+
+    from benchmarks.bandwidth import read_bandwidth_gbs
+
+    with pytest.raises(ValueError, match="gib=0"):
+        read_bandwidth_gbs(0)

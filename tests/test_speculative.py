@@ -242,3 +242,20 @@ def test_spd_metrics_are_consistent(arts):
     assert s["dlm_calls"] > 0 and s["tlm_calls"] >= s["rounds"]
 
 
+
+
+def test_the_dlm_is_fed_the_prompt_only_at_its_first_draft(arts):
+    """While the policy decodes plainly the DLM must not run (it would evict the TLM's weights from
+    the caches): start() feeds it nothing, the first draft catches up on everything committed."""
+    from runtime.draft_model import DraftModelDrafter
+    from runtime.draft_policy import DraftPolicy
+
+    art = arts[3]
+    drafter = DraftModelDrafter(art.dlm, runtime.SamplingParams(), DraftPolicy({1: 1.0}, 1.0, 0.1, fixed=1),
+                                np.random.default_rng(0))
+    calls = art.dlm.calls
+    committed = [5, 6, 7, 8, 9]
+    drafter.start(committed)
+    assert art.dlm.calls == calls and art.dlm.length == 0
+    proposal = drafter.propose(committed, room=10)
+    assert len(proposal.tokens) == 1 and art.dlm.length == len(committed) and art.dlm.calls > calls

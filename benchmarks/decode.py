@@ -72,7 +72,7 @@ def time_genai(model, prompt, n):
 
 
 def time_hf(ckpt, prompt, n):
-    model = LlamaForCausalLM.from_pretrained(ckpt).eval()
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=3)

@@ -87,7 +87,7 @@ def bench(name: str, art: runtime.Artifact, ref: str | None, new: int) -> None:
     row(name, "beam search B=4 (vs one call per beam)", tokens, t_multi, len(one.sequences[0].token_ids), t_one,
         [beams.sequences[0].token_ids], [one.sequences[0].token_ids])
     if ref is not None:
-        model = AutoModelForCausalLM.from_pretrained(ref).eval()
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None
         with torch.no_grad():
             kw = dict(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

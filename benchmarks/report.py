@@ -52,16 +52,23 @@ def memory_mib(art_dir: Path) -> dict:
     return {"pss_after_generate_mib": out["after_generate_mib"]["pss"], "weights_mib": out["weights_file_mib"]}
 
 
-def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int) -> dict:
+def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int,
+            draft_length: int | None = None) -> dict:
+    """Every configuration on every prompt, interleaved; `draft_length` fixes SpD's draft length
+    (None: the timed policy chooses, and may choose not to draft)."""
     runs: dict[str, list] = {name: [] for name in CONFIGS}
+
+    def one(which: str, spd: bool, prompt: str):
+        return runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd,
+                                draft_length=draft_length if spd else None)
+
     for which, spd in CONFIGS.values():
         for _ in range(warmup):
-            runtime.generate(arts[which], prompts[0], max_new_tokens=max_new, speculative=spd)
+            one(which, spd, prompts[0])
     for _ in range(repeats):
         for i, prompt in enumerate(prompts):
             for name, (which, spd) in CONFIGS.items():
-                r = runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd)
-                runs[name].append((i, r))
+                runs[name].append((i, one(which, spd, prompt)))
     return runs
 
 
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
     parser.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the read-bandwidth probe")
+    parser.add_argument("--draft-length", type=int, help="fix SpD's draft length (default: the timed policy's choice)")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
     for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             unfit[which] = str(exc)
     if unfit:
         return _does_not_fit(recipe, out, unfit)
-    runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats)
+    runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats, args.draft_length)
     rows = {name: summarize(r) for name, r in runs.items()}
     memory = {k: memory_mib(d) for k, d in dirs.items()}
     bandwidth = read_bandwidth_gbs(args.bandwidth_gib)

@@ -7,8 +7,9 @@ values, and attention runs over the two blocks separately: scores against the pa
 new tokens, one softmax over their concatenation (only [T, C + T] scores), and two weighted sums.
 The mask is the graph's general [B, 1, T, C + T] mask, added unchanged.
 
-Llama, Mistral and Qwen2 reach this through transformers' AttentionInterface (selected while
-tracing); CodeGen calls its own `_attn` method, which is replaced on the instance while tracing.
+Llama, Mistral, Qwen2 and CodeGen (transformers >= 5.24) reach this through transformers'
+AttentionInterface (selected while tracing). CodeGen before 5.24 calls its own `_attn` method, which
+is replaced on the instance while tracing.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _hf_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The AttentionInterface function: eager attention (llama/mistral/qwen2) with `key`/`value` new only.
+    """The AttentionInterface function: eager attention with `key`/`value` new only.
 
     Mistral/Qwen2 pass `sliding_window`; as in eager attention the mask already encodes it.
     """
@@ -122,8 +123,8 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_attention)
 def _codegen_attn(module: torch.nn.Module, cache: SplitCache, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CodeGenAttention._attn with `key`/`value` new only. CodeGen adds the mask before dividing by
-    sqrt(D); adding it after scaling differs only in already-masked (-inf-like) scores."""
+    """CodeGenAttention._attn (transformers < 5.24) with `key`/`value` new only. It adds the mask
+    before dividing by sqrt(D); adding it after scaling differs only in already-masked scores."""
     past_key, past_value = cache.past(module.layer_idx)
     return attend(query, past_key, past_value, key, value, attention_mask, 1.0 / module.scale_attn)
 
@@ -135,7 +136,7 @@ def split_attention(model: PreTrainedModel, cache: SplitCache) -> Iterator[dict[
     The model's own attention setting (and CodeGen's `_attn`) is restored afterwards, so the same
     model object still runs transformers' reference forward.
     """
-    if model.config.model_type == "codegen":
+    if model.config.model_type == "codegen" and hasattr(CodeGenAttention, "_attn"):
         blocks = [m for m in model.modules() if isinstance(m, CodeGenAttention)]
         for m in blocks:
             m._attn = functools.partial(_codegen_attn, m, cache)

@@ -5,10 +5,12 @@ architecture: the wrapper only moves the cache and the mask to the graph boundar
 are graph inputs that attention reads in place (export/split_attention.py): transformers' own
 attention would concatenate the T new tokens' KV onto them, copying the whole cache every call.
 The mask (built by the host) says which of the C + T keys each new token may see. Every supported
-family splits, CodeGen included (its `_attn` is replaced while tracing).
+family splits, CodeGen included.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -28,6 +30,10 @@ class ExplicitKVWrapper(torch.nn.Module):
         self.model = model
         self.n_layers = model.config.num_hidden_layers
         self.split = split
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is
+        # deprecated until 5.40); pass whichever this version's signature names.
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def forward(
         self,
@@ -44,12 +50,12 @@ class ExplicitKVWrapper(torch.nn.Module):
         if self.split:
             cache = SplitCache(past)
             with split_attention(self.model, cache) as extra:
-                out = self.model(**inputs, past_key_values=cache, **extra)
+                out = self.model(**inputs, **{self.cache_kwarg: cache}, **extra)
             return (out.logits.float(), *cache.new_kv())
         concat = DynamicCache()
         for i in range(self.n_layers):
             concat.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(**inputs, past_key_values=concat)
+        out = self.model(**inputs, **{self.cache_kwarg: concat})
         t = input_ids.shape[1]
         new: list[torch.Tensor] = []
         for layer in concat.layers:

@@ -26,8 +26,10 @@ model = "{dlm}"
 
 def test_report_measures_four_configurations(checkpoints, tmp_path):
     recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], checkpoints["draft"])
+    # a fixed draft length: the timed policy may choose not to draft at all on a machine where the
+    # tiny TLM's scoring call is dear (seen on an AVX-512 CPU), and then no DLM step is measured
     assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--warmup", "0",
-                        "--bandwidth-gib", "0.125"]) == 0
+                        "--bandwidth-gib", "0.125", "--draft-length", "3"]) == 0
     out = tmp_path / "out" / "tiny-report"
     data = json.loads((out / "report.json").read_text())
     assert list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
@@ -40,7 +42,7 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
     rows = data["configs"]
     assert rows["baseline"]["tlm_calls_per_token"] == 1.0 and rows["MXFP6"]["dlm_calls_per_token"] == 0.0
     assert 0 < rows["MXFP6 + SpD"]["tlm_calls_per_token"] <= 1.0
-    assert rows["SpD"]["dlm_calls_per_token"] >= 0  # whether it drafts at all is the policy's (timed) choice
+    assert rows["SpD"]["dlm_calls_per_token"] > 0 and spd["acceptance_rate"] >= 0
     assert rows["MXFP6"]["weights_read_mb_per_token"] < 0.5 * rows["baseline"]["weights_read_mb_per_token"]
     assert data["meta"]["read_bandwidth_gb_per_s"] > 0.5  # any machine reads faster than this
     md = (out / "report.md").read_text()

@@ -20,7 +20,7 @@ from tests.conftest import tiny_recipe
 
 def noisy_copy(src, dst, scale: float, seed: int):
     """A draft that agrees with the target often but not always."""
-    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -148,7 +148,7 @@ def tiny_vocab(tmp_path_factory):
                           dlm=str(dirs["dlm"]), progress=False)
     art = runtime.load_artifact(path)
     art.eos_token_ids = frozenset()
-    tlm = AutoModelForCausalLM.from_pretrained(dirs["tlm"]).eval()
+    tlm = AutoModelForCausalLM.from_pretrained(dirs["tlm"], dtype=torch.float32).eval()
     return art, tlm
 
 

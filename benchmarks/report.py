@@ -35,6 +35,7 @@ from common.resources import DoesNotFitError
 from compiler.targets import PROVIDERS
 from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
+from runtime.request import check_draft_length
 
 CONFIGS = {  # name -> (artifact, speculative)
     "baseline": ("fp32", False),
@@ -221,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             unfit[which] = str(exc)
     if unfit:
         return _does_not_fit(recipe, out, unfit)
+    try:  # before any run: an uncompiled draft length would otherwise fail midway
+        for art in arts.values():
+            check_draft_length(art, "draft", None, args.draft_length)
+    except (TypeError, ValueError) as exc:
+        print(f"error: --draft-length: {exc}", file=sys.stderr)
+        return 2
     runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats, args.draft_length)
     rows = {name: summarize(r) for name, r in runs.items()}
     memory = {k: memory_mib(d) for k, d in dirs.items()}

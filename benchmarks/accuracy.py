@@ -1,12 +1,12 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
-    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--out reports]
+    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE] [--out reports]
 
-Builds the recipe's TLM unquantized and in each MX format and lowering, and scores held-out text
-(the standard-library modules the default pair never saw, or --text FILE) teacher-forced through
-the compiled graphs, in windows of the context length. Writes OUT/RECIPE/accuracy.{json,md}.
-The gate (QEfficient's) is: exact MXFP6 in the recipe's format (fp6_e2m3 if it names none) has
-perplexity <= 1.01x the unquantized float32 perplexity.
+Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice, and
+scores held-out text (the standard-library modules the default pair never saw, or --text FILE)
+teacher-forced through the compiled graphs, in windows of the context length. Writes
+OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's) is: exact MXFP6 in the recipe's format
+(fp6_e2m3 if it names none) and exponent choice has perplexity <= 1.01x the float32 perplexity.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from benchmarks.variants import build_cached, variant
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import stdlib_files
 
-CONFIGS = {  # name -> (mx_format, lowering)
-    "fp32": (None, "fused"),
-    "fp6_e2m3 exact": ("fp6_e2m3", "exact"),
-    "fp6_e2m3 fused": ("fp6_e2m3", "fused"),
-    "fp6_e3m2 exact": ("fp6_e3m2", "exact"),
+CONFIGS = {  # name -> (mx_format, lowering, block exponent choice)
+    "fp32": (None, "fused", "spec"),
+    "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec"),
+    "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error"),
+    "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error"),
+    "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error"),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -65,16 +66,17 @@ def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# MXFP6 accuracy: {meta['recipe']} ({meta['tokens']} held-out tokens, {meta['text']})", "",
-        "| weights | lowering | perplexity | vs fp32 | top-1 agreement with fp32 | weight bytes vs fp16 |",
-        "|---|---|---|---|---|---|",
+        "| weights | lowering | block exponent | perplexity | vs fp32 | top-1 agreement with fp32 "
+        "| weight bytes vs fp16 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['name']} | - | not available: {r['unavailable']} | | | |")
+            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | |")
             continue
         ratio = "2.000 (fp32)" if r["size_vs_fp16"] is None else f"{r['size_vs_fp16']:.3f}"
-        lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['perplexity']:.4f} | {r['ppl_ratio']:.4f}x | "
-                     f"{100 * r['top1_agreement']:.2f}% | {ratio} |")
+        lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['scale'] or '-'} | {r['perplexity']:.4f} | "
+                     f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {ratio} |")
     lines += ["", f"Gate: {meta['gate']}: **{'PASS' if meta['gate_pass'] else 'FAIL'}**."]
     return "\n".join(lines) + "\n"
 
@@ -89,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe = get_recipe(args.recipe)
     out_dir = args.out / recipe.name
     rows, base_top1, base_ppl, tokens = [], None, None, None
-    for name, (fmt, lowering) in CONFIGS.items():
-        art_dir = build_cached(variant(recipe, fmt, lowering, with_dlm=False), out_dir / name.replace(" ", "-"))
+    for name, (fmt, lowering, scale) in CONFIGS.items():
+        art_dir = build_cached(variant(recipe, fmt, lowering, with_dlm=False, scale=scale),
+                               out_dir / name.replace(" ", "-"))
         art = runtime.load_artifact(art_dir)
         if tokens is None:
             tokens = held_out_tokens(art, args.text, args.tokens)
@@ -99,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         base_top1 = top1 if base_top1 is None else base_top1
         base_ppl = ppl if base_ppl is None else base_ppl
         quant = art.manifest.models["tlm"].quant
-        rows.append({"name": name.split()[0], "lowering": quant.get("lowering"), "format": fmt, "perplexity": ppl,
+        rows.append({"name": name.split()[0], "lowering": quant.get("lowering"), "scale": quant.get("scale"),
+                     "format": fmt, "perplexity": ppl,
                      "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
                      "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
         agree = rows[-1]["top1_agreement"]
-        print(f"{name:16s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
+        print(f"{name:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
     rows += [{"name": n.split()[0], "unavailable": why} for n, why in NOT_AVAILABLE.items()]
     gated = recipe.tlm.mx_format or "fp6_e2m3"
-    gate_row = next(r for r in rows if r.get("format") == gated and r["lowering"] == "exact")
+    gate_row = next(r for r in rows if r.get("format") == gated and r["lowering"] == "exact"
+                    and r["scale"] == recipe.tlm.mx_scale)
     meta = {"recipe": recipe.name, "tokens": int(len(tokens)), "text": str(args.text or "held-out stdlib modules"),
             "gate": f"{gated} exact perplexity <= {GATE}x fp32", "gate_pass": gate_row["ppl_ratio"] <= GATE}
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,11 @@ from compiler.targets import platform_signature
 from export.pipeline import build_artifact
 
 
-def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with_dlm: bool = True) -> Recipe:
-    """The recipe with its TLM in fp32 (mx_format None) or MX, and with or without its DLM."""
-    tlm = replace(recipe.tlm, mx_format=mx_format, mx_lowering=lowering)
+def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with_dlm: bool = True,
+            scale: str | None = None) -> Recipe:
+    """The recipe with its TLM in fp32 (mx_format None) or MX, and with or without its DLM; `scale`
+    overrides how MX block exponents are chosen (default: the recipe's own choice)."""
+    tlm = replace(recipe.tlm, mx_format=mx_format, mx_lowering=lowering, mx_scale=scale or recipe.tlm.mx_scale)
     dlm = recipe.dlm if with_dlm else None
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
 

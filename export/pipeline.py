@@ -16,7 +16,7 @@ from compiler.build import compile_artifact
 from export.fit import check_export_fits
 from export.loader import placeholder_model, resolve_model_dir
 from export.onnx_export import export_model
-from export.weights import CheckpointTensors
+from export.weights import checkpoint_tensors
 from quant.onnx_pass import Float16Pass, MXPass, PassChain
 
 log = logging.getLogger("mxspd.export")
@@ -61,7 +61,7 @@ def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dl
 
 def weight_passes(spec: ModelSpec) -> PassChain:
     """How a model's weights are stored: MX blocks for its decoder linears, then float16 if asked."""
-    passes = [MXPass(spec.mx_format, spec.mx_lm_head)] if spec.mx_format is not None else []
+    passes = [MXPass(spec.mx_format, spec.mx_lm_head, scale=spec.mx_scale)] if spec.mx_format is not None else []
     return PassChain(passes + ([Float16Pass()] if spec.dtype == "float16" else []))
 
 
@@ -101,7 +101,7 @@ def build_artifact(
         for role, model in models.items():
             exports[role] = Path(tmp) / role
             export_model(
-                model, CheckpointTensors(dirs[role]), exports[role], graph_plan(recipe, role),
+                model, checkpoint_tensors(dirs[role]), exports[role], graph_plan(recipe, role),
                 recipe.context_length, batch=recipe.batch_size, source=specs[role].model,
                 tokenizer_dir=dirs[role], passes=weight_passes(specs[role]), role=role, progress=progress,
             )

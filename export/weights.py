@@ -120,6 +120,13 @@ class CheckpointTensors:
         return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])
 
 
+def checkpoint_tensors(model_dir: Path) -> TensorSource:
+    """The tensor source of a resolved checkpoint folder: safetensors, or the GGUF file it stands for."""
+    from export.gguf_checkpoint import GGUFTensors, is_gguf_folder
+
+    return GGUFTensors(model_dir) if is_gguf_folder(model_dir) else CheckpointTensors(model_dir)
+
+
 def model_tensors(model: torch.nn.Module) -> TensorSource:
     """A source over an in-memory model's parameters and buffers (tests, benchmarks)."""
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())

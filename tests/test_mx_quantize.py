@@ -500,3 +500,41 @@ def test_fake_quantize_idempotent_and_within_half_ulp(
     assert np.all(np.sign(fy[saturated]) == np.sign(y[saturated]))
     assert np.all(np.abs(fy - y)[~saturated] <= ulp[~saturated] / 2)
     assert np.all(np.abs(fy) <= top)
+
+
+# ----------------------------------------------------------------------------------------------
+# Error-minimising block exponents (scale="min_error"): still standard MX, never worse per block.
+
+
+def _block_sq_error(x: np.ndarray, fq: np.ndarray) -> np.ndarray:
+    return ((x.astype(np.float64) - fq.astype(np.float64)) ** 2).reshape(x.shape[0], -1, 32).sum(-1)
+
+
+@pytest.mark.parametrize("fmt", ["fp6_e2m3", "fp6_e3m2"])
+def test_min_error_exponent_is_the_spec_one_or_one_above_and_never_errs_more(fmt: str) -> None:
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((64, 256)) * rng.lognormal(size=(64, 1))).astype(F32)
+    spec, best = quantize(x, fmt), quantize(x, fmt, scale="min_error")
+    step = best.scales.astype(int) - spec.scales.astype(int)
+    assert set(np.unique(step)) <= {0, 1}
+    assert (step == 1).any() and (step == 0).any()  # both choices occur on ordinary data
+    e_spec, e_best = _block_sq_error(x, dequantize(spec)), _block_sq_error(x, dequantize(best))
+    assert np.all(e_best <= e_spec)
+    assert e_best.sum() < e_spec.sum()
+    # where the exponent stayed, the codes are the spec's codes: only the choice differs
+    same = np.repeat(step == 0, 32, axis=-1)
+    np.testing.assert_array_equal(best.codes[same], spec.codes[same])
+
+
+def test_min_error_exponent_avoids_saturating_a_block() -> None:
+    """amax / 2^shared in (7.5, 8) saturates under the spec's E2M3 exponent; one above does not."""
+    x = np.full((1, 32), 0.5, dtype=F32)
+    x[0, 0] = 7.9
+    assert dequantize(quantize(x))[0, 0] == 7.5
+    fq = dequantize(quantize(x, scale="min_error"))
+    assert fq[0, 0] == 8.0 and _block_sq_error(x, fq).item() < _block_sq_error(x, dequantize(quantize(x))).item()
+
+
+def test_unknown_scale_choice_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown scale choice 'best'; valid: spec, min_error"):
+        quantize(np.ones((1, 32), F32), scale="best")

@@ -63,21 +63,31 @@ def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(nll), np.concatenate(top1)
 
 
+def answers(art, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy answers to the recipe's prompts (its chat template applies), no speculation."""
+    return [runtime.generate(art, p, max_new_tokens=max_new_tokens, do_sample=False, speculative=False).text
+            for p in prompts]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# MXFP6 accuracy: {meta['recipe']} ({meta['tokens']} held-out tokens, {meta['text']})", "",
         "| weights | lowering | block exponent | perplexity | vs fp32 | top-1 agreement with fp32 "
-        "| weight bytes vs fp16 |",
-        "|---|---|---|---|---|---|---|",
+        "| answers as fp32 | weight bytes vs fp16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | |")
+            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | |")
             continue
         ratio = "2.000 (fp32)" if r["size_vs_fp16"] is None else f"{r['size_vs_fp16']:.3f}"
         lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['scale'] or '-'} | {r['perplexity']:.4f} | "
-                     f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {ratio} |")
-    lines += ["", f"Gate: {meta['gate']}: **{'PASS' if meta['gate_pass'] else 'FAIL'}**."]
+                     f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {r['same_answers']} | {ratio} |")
+    lines += ["", f"Gate: {meta['gate']}: **{'PASS' if meta['gate_pass'] else 'FAIL'}**.", "",
+              f"Answers: greedy, {meta['answer_tokens']} new tokens, to the recipe's {len(meta['answers'])} prompts; "
+              "a differing answer is listed with fp32's.", ""]
+    for name, differing in meta["differing"].items():
+        lines += [f"- {name}: {prompt!r}: {theirs!r} (fp32: {ours!r})" for prompt, theirs, ours in differing]
     return "\n".join(lines) + "\n"
 
 
@@ -87,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score")
     parser.add_argument("--text", type=Path, help="held-out text file (default: held-out stdlib modules)")
     parser.add_argument("--out", type=Path, default=Path("reports"))
+    parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
     out_dir = args.out / recipe.name
-    rows, base_top1, base_ppl, tokens = [], None, None, None
+    rows, base_top1, base_ppl, tokens, base_answers = [], None, None, None, None
+    prompts = list(recipe.prompts)
+    differing: dict[str, list] = {}
     for name, (fmt, lowering, scale) in CONFIGS.items():
         art_dir = build_cached(variant(recipe, fmt, lowering, with_dlm=False, scale=scale),
                                out_dir / name.replace(" ", "-"))
@@ -101,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         ppl = float(np.exp(nll.mean()))
         base_top1 = top1 if base_top1 is None else base_top1
         base_ppl = ppl if base_ppl is None else base_ppl
+        said = answers(art, prompts, args.answer_tokens)
+        base_answers = said if base_answers is None else base_answers
+        differing[name] = [(p, a, b) for p, a, b in zip(prompts, said, base_answers, strict=True) if a != b]
         quant = art.manifest.models["tlm"].quant
+        same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
         rows.append({"name": name.split()[0], "lowering": quant.get("lowering"), "scale": quant.get("scale"),
-                     "format": fmt, "perplexity": ppl,
+                     "format": fmt, "perplexity": ppl, "same_answers": same,
                      "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
                      "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
         agree = rows[-1]["top1_agreement"]
@@ -113,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     gate_row = next(r for r in rows if r.get("format") == gated and r["lowering"] == "exact"
                     and r["scale"] == recipe.tlm.mx_scale)
     meta = {"recipe": recipe.name, "tokens": int(len(tokens)), "text": str(args.text or "held-out stdlib modules"),
-            "gate": f"{gated} exact perplexity <= {GATE}x fp32", "gate_pass": gate_row["ppl_ratio"] <= GATE}
+            "gate": f"{gated} exact perplexity <= {GATE}x fp32", "gate_pass": gate_row["ppl_ratio"] <= GATE,
+            "answers": base_answers, "answer_tokens": args.answer_tokens, "differing": differing}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out_dir / "accuracy.md").write_text(markdown(rows, meta))

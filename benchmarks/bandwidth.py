@@ -24,7 +24,7 @@ import onnx
 from common import graph_io
 from common.manifest import read_manifest
 
-_PRODUCT_WEIGHTS = {"MatMul": (1,), "FusedMatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2)}
+_PRODUCT_WEIGHTS = {"MatMul": (1,), "FusedMatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2), "MXMatMul": (1, 2)}
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, allocations: int = 3) -> float:

@@ -13,7 +13,10 @@ from typing import Any
 
 DTYPES = ("float32", "float16")
 MX_FORMATS = ("fp6_e2m3", "fp6_e3m2")
-MX_LOWERINGS = ("fused", "exact")
+# How the compiler runs MX weights (compiler/mx_lowering.py): mxspd's 6-bit kernel with int16 or
+# int8 activations (falls back to `fused` where its library was not built), ONNX Runtime's
+# MatMulNBits on 8-bit codes, or float32 MatMul on the MXFP6 values.
+MX_LOWERINGS = ("native", "native8", "fused", "exact")
 # How the quantizer picks each MX block's shared exponent (quant.mx.SCALE_CHOICES; the encoding is
 # standard MX either way): the spec's rule, or whichever of it and the one above errs less.
 MX_SCALES = ("spec", "min_error")
@@ -33,7 +36,7 @@ class ModelSpec:
     dtype: str = "float32"
     mx_format: str | None = None
     mx_lm_head: bool = False
-    mx_lowering: str = "fused"
+    mx_lowering: str = "native"
     mx_scale: str = "spec"
 
 
@@ -172,9 +175,9 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.mx_scale: {spec.mx_scale!r} is not one of {MX_SCALES}")
     if spec.mx_lowering not in MX_LOWERINGS:
         raise RecipeError(f"{where}.mx_lowering: {spec.mx_lowering!r} is not one of {MX_LOWERINGS}")
-    if spec.mx_format == "fp6_e3m2" and spec.mx_lowering == "fused":
+    if spec.mx_format == "fp6_e3m2" and spec.mx_lowering != "exact":
         raise RecipeError(
-            f"{where}: mx_lowering 'fused' needs fp6_e2m3 (E3M2 values do not fit int8 blocks); "
+            f"{where}: mx_lowering {spec.mx_lowering!r} needs fp6_e2m3 (E3M2 values do not fit int8 blocks); "
             "set mx_lowering = 'exact' for fp6_e3m2"
         )
 

@@ -12,6 +12,7 @@ import platform
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,8 +29,17 @@ from common.onnx_store import SharedFile, merge_external, read_tensor, save_grap
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
 from compiler.costs import graph_costs_ms
-from compiler.mx_lowering import ACCURACY_LEVEL, FUSED_SUFFIX, MS_DOMAIN, lower_model
+from compiler.mx_lowering import (
+    ACCURACY_LEVEL,
+    FUSED_SUFFIX,
+    MS_DOMAIN,
+    NATIVE_ACTIVATION_BITS,
+    NATIVE_DOMAIN,
+    NATIVE_SUFFIX,
+    lower_model,
+)
 from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
+from kernels import MX_MATMUL, library_path
 
 EXPORT_INFO = "export.json"
 
@@ -69,11 +79,29 @@ def _lower(export_dir: Path, name: str, lowering: str, shared: SharedFile) -> tu
     return save_graph(model, path), lowered
 
 
+def effective_lowering(lowering: str, target: str) -> str:
+    """The native kernel where it was built (and the target is ONNX Runtime's CPU); else `fused`, said aloud."""
+    if lowering not in NATIVE_ACTIVATION_BITS:
+        return lowering
+    why = ("its library was not built at install (no C++ compiler?)" if library_path() is None
+           else f"it runs on the CPU only, and the target is {target}" if target not in PREPACKED_TARGETS else None)
+    if why is None:
+        return lowering
+    warnings.warn(f"MX lowering {lowering!r} (mxspd's native 6-bit kernel) is unavailable: {why}; falling back to "
+                  "'fused' (MatMulNBits, 9 bits per weight read per token)", stacklevel=2)
+    return "fused"
+
+
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
-    """Fused: every lowered weight must still run through MatMulNBits, never full precision silently.
-    (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
-    fused = {n.input[1] for n in graph.graph.node if n.op_type == "MatMulNBits" and n.domain == MS_DOMAIN}
-    lost = [w for w in lowered if w + FUSED_SUFFIX not in fused] if lowering == "fused" else []
+    """Fused and native: every lowered weight must still run through its kernel, never full precision
+    silently. (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
+    kernel = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX)} | {
+        name: (NATIVE_DOMAIN, MX_MATMUL, NATIVE_SUFFIX) for name in NATIVE_ACTIVATION_BITS}
+    lost = []
+    if lowering in kernel:
+        domain, op, suffix = kernel[lowering]
+        kept = {n.input[1] for n in graph.graph.node if n.op_type == op and n.domain == domain}
+        lost = [w for w in lowered if w + suffix not in kept]
     if lost or not lowered:
         raise RuntimeError(f"graph {name!r}: MX lowering {lowering!r} did not survive optimisation for "
                            f"{len(lost) or 'all'} weights (first: {lost[:3]})")
@@ -82,6 +110,8 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
 def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, progress: bool) -> ModelEntry:
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
+    if quant:
+        lowering = effective_lowering(lowering, target)
 
     def optimized(work: Path, shared: SharedFile | None) -> Iterator[tuple[str, Path]]:
         """Each graph lowered and optimised in turn; its optimised copy goes once it is merged."""
@@ -105,8 +135,11 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
                            target)
     if quant:
         quant["lowering"] = lowering
-        quant["kernel"] = (f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}"
-                           if lowering == "fused" else "float32 MatMul on the MXFP6 values")
+        bits = NATIVE_ACTIVATION_BITS.get(lowering)
+        quant["kernel"] = {
+            "fused": f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}",
+            "exact": "float32 MatMul on the MXFP6 values",
+        }.get(lowering) or f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32"
     return ModelEntry(
         source=info["source"],
         model_type=info["model_type"],

@@ -13,6 +13,12 @@ optimises, so the artifact stays small). Then:
   path on CPU); weights stay exact, activations lose up to half an int8 step per block.
 - `exact`: the unpacking yields the float32 weights themselves, exactly the MXFP6 values, and the
   MatMul is left alone.
+- `native` / `native8` (E2M3 only): the MatMul becomes mxspd's own `ai.mxspd::MXMatMul`
+  (kernels/mx_ort_ops.cc), which keeps the weights 6-bit in memory (6.25 bits per weight read per
+  token, against MatMulNBits' 9) and rounds activations per block to int16 (`native`: within
+  1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). Every row
+  is computed alike whatever the call's rows. Needs the kernel library built at install
+  (kernels.library_path()); the compiler falls back to `fused` with a warning without it.
 """
 
 from __future__ import annotations
@@ -26,13 +32,19 @@ from onnx import helper, numpy_helper
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import rewrite_graph
+from common.recipe import MX_LOWERINGS
+from kernels import DOMAIN as NATIVE_DOMAIN
+from kernels import MX_MATMUL, NATIVE_LOWERINGS
+from kernels.layout import pack_columns
 from quant import element_values, pack_fp6, unpack_fp6
 
-LOWERINGS = ("fused", "exact")
+NATIVE_ACTIVATION_BITS = dict(zip(NATIVE_LOWERINGS, (16, 8), strict=True))
+LOWERINGS = MX_LOWERINGS
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
 FP6_FORMATS = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2"}
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
+NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
 _SHIFTS = np.array([1, 64, 64**2, 64**3], dtype=np.int32)  # 4 codes of a 24-bit group, LSB first
 _BYTE_WEIGHTS = np.array([1, 256, 65536], dtype=np.int32)
 
@@ -114,14 +126,32 @@ def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
         b.node("Slice", [full, b.const("mx.zero", np.array([0])), b.const(name + ".k", np.array([k]))], name)
 
 
+def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
+    if fmt != "fp6_e2m3":
+        raise LoweringError(
+            f"weight {name!r}: the {lowering} lowering needs fp6_e2m3 ({fmt} values are not int8 multiples of one "
+            "power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
+        )
+
+
+def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list,
+                  activation_bits: int) -> None:
+    """MatMul -> ai.mxspd::MXMatMul(A, codes in the kernel's layout, E8M0 bytes [N, K/32])."""
+    _need_e2m3(name, fmt, "native")
+    k, n = codes.shape
+    weights = b.const(name + NATIVE_SUFFIX, pack_columns(codes))
+    scales = b.const(name + ".e8m0", np.ascontiguousarray(exps.T))
+    for mm in matmuls:
+        mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
+        mm.input[:] = [mm.input[0], weights, scales]
+        mm.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
+                             helper.make_attribute("activation_bits", activation_bits)])
+
+
 def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list) -> None:
     """Computed here, tensor by tensor, not as a subgraph for ONNX Runtime to fold: folding every
     weight's unpacking at once held about 17 bytes per weight (5.6 GB for a 325M model)."""
-    if fmt != "fp6_e2m3":
-        raise LoweringError(
-            f"weight {name!r}: the fused lowering needs fp6_e2m3 ({fmt} values are not int8 multiples of one "
-            "power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
-        )
+    _need_e2m3(name, fmt, "fused")
     k, n = codes.shape
     kb = exps.shape[0]
     as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
@@ -177,19 +207,22 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
         else:
             users = consumers.get(w, [])
             if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
-                raise LoweringError(f"weight {w!r}: the fused lowering needs it to feed MatMul weights only")
-            _lower_fused(b, w, fmt, codes, exps, users)
+                raise LoweringError(f"weight {w!r}: the {lowering} lowering needs it to feed MatMul weights only")
+            if lowering == "fused":
+                _lower_fused(b, w, fmt, codes, exps, users)
+            else:
+                _lower_native(b, w, fmt, codes, exps, users, NATIVE_ACTIVATION_BITS[lowering])
         graph.node.remove(node)
         dropped |= {data.name, scale.name}
         lowered[w] = fmt
     if not lowered:
         return lowered
     rewrite_graph(graph, [t for t in graph.initializer if t.name not in dropped], b.nodes)
-    _restore_opset(model, ms=lowering == "fused")
+    _restore_opset(model, {"fused": MS_DOMAIN, "native": NATIVE_DOMAIN, "native8": NATIVE_DOMAIN}.get(lowering))
     return lowered
 
 
-def _restore_opset(model: onnx.ModelProto, ms: bool) -> None:
+def _restore_opset(model: onnx.ModelProto, domain: str | None) -> None:
     """The MX ops are gone: go back to the opset the model had before the quant pass."""
     props = {p.key: p.value for p in model.metadata_props}
     if BASE_OPSET_KEY not in props:
@@ -198,5 +231,5 @@ def _restore_opset(model: onnx.ModelProto, ms: bool) -> None:
     base.version = int(props[BASE_OPSET_KEY])
     if base.version < 13:  # the unpacking uses ReduceSum with axes as an input
         raise LoweringError(f"MX lowering needs opset >= 13, the graph has {base.version}")
-    if ms and not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if domain and not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, 1))

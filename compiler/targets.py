@@ -8,6 +8,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from kernels import library_path
+
 PROVIDERS = {
     "ort-cpu": ["CPUExecutionProvider"],
     "ort-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -80,6 +82,9 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
+    lib = library_path()
+    if lib is not None:  # mxspd's own ops (ai.mxspd), for graphs that use them
+        so.register_custom_ops_library(str(lib))
     return so
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from common.manifest import ArtifactError, Manifest, read_manifest
 from common.resources import check_memory
 from compiler.targets import check_prepacked, check_target
+from kernels import NATIVE_LOWERINGS, require_library
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import Tokenizer
@@ -105,6 +106,8 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     manifest = read_manifest(path, verify=verify)
     check_target(manifest.target)
     check_prepacked(manifest.prepacked_for)
+    if any(e.quant.get("lowering") in NATIVE_LOWERINGS for e in manifest.models.values()):
+        require_library()  # a clear error now, rather than ONNX Runtime's unknown op at the first graph
     check_memory(memory_needed(path, manifest), f"artifact {path}",
                  "half of each weights file, the form a decode step reads, plus the KV caches and buffers")
     try:

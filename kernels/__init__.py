@@ -1,0 +1,40 @@
+"""mxspd's native ONNX Runtime ops (kernels/mx_ort_ops.cc), built by `pip install` where a C++
+compiler is found: `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight.
+
+Used by the compiler (to build and time graphs) and the runtime (to run them); neither needs torch.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+from pathlib import Path
+
+DOMAIN = "ai.mxspd"
+MX_MATMUL = "MXMatMul"
+LIBRARY_STEM = "_mxspd_ort"
+NATIVE_LOWERINGS = ("native", "native8")  # the MX lowerings (common.recipe.MX_LOWERINGS) that run these ops
+
+
+class KernelsUnavailableError(RuntimeError):
+    """The native kernel library was not built in this installation."""
+
+
+def library_path() -> Path | None:
+    """The built library, or None (no C++ compiler at install time, or a non-installed checkout)."""
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{LIBRARY_STEM}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def require_library() -> Path:
+    path = library_path()
+    if path is None:
+        raise KernelsUnavailableError(
+            "mxspd's native kernel library (kernels/_mxspd_ort*.so) is not built in this installation. "
+            "Reinstall with a C++ compiler present (`apt install g++`, then `pip install -e .`), or "
+            "export with mx_lowering = 'fused' (ONNX Runtime's MatMulNBits; 9 bits per weight read)."
+        )
+    return path

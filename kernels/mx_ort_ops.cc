@@ -1,0 +1,438 @@
+// mxspd's native ONNX Runtime op: ai.mxspd::MXMatMul, a matmul whose weights stay MXFP6 E2M3 in memory
+// (6 bits per code plus one E8M0 byte per 32 codes: 6.25 bits per weight) and are decoded in registers.
+//
+// Why: ONNX Runtime has no 6-bit matmul; MatMulNBits(bits=8) reads 8-bit codes plus float32 scales
+// (9 bits per weight), and decode speed on a CPU is bytes per token over memory bandwidth.
+//
+// Semantics: Y[m, n] = sum_b scale[n, b] * sum_{k in block b} value(code[n, k]) * A[m, k], in float32,
+// with the MXFP6 values exact (no activation quantization). Every row is computed by the same sequence
+// of float operations whatever the number of rows in the call (batch invariance: a token's logits do
+// not depend on what else shares its call).
+//
+// Weight layout (kernels/layout.py writes it): W uint8 [N, K/32, 24], per output column n and block b
+// of 32 codes c[0..31]: bytes 0-15 hold c[j] & 15 | (c[j + 16] & 15) << 4; bytes 16-23 hold, in byte
+// j, the top two bits of c[j], c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. S uint8 [N, K/32]:
+// E8M0 exponents. K is padded to whole blocks with code 0.
+//
+// ONNX Runtime ships no C headers in its wheel. Its C API is a table of function pointers whose order
+// only ever grows (OrtGetApiBase()->GetApi(version)); the few entries used here are declared below by
+// their documented index, as ONNX Runtime's own C# binding declares its table.
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <algorithm>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MXSPD_X86 1
+#endif
+
+#define MXSPD_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// ---- the part of ONNX Runtime's C API used here -------------------------------------------------------
+
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtShapeInfo;
+struct OrtCustomOpDomain;
+struct OrtSessionOptions;
+
+constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor arrived in 1.17
+constexpr int kOrtFail = 1;          // OrtErrorCode
+constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
+
+struct OrtApiBase {
+  const void* const* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+// Index of each function in the OrtApi table.
+enum ApiIndex : int {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeInt64 = 86,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextParallelFor = 274,
+};
+
+struct Api {
+  const void* const* table = nullptr;
+  template <typename F>
+  F fn(ApiIndex i) const { return reinterpret_cast<F>(const_cast<void*>(table[i])); }
+
+  OrtStatus* error(const char* msg) const {
+    return fn<OrtStatus* (*)(int, const char*)>(kCreateStatus)(kOrtFail, msg);
+  }
+  OrtStatus* attribute(const OrtKernelInfo* info, const char* name, int64_t* out) const {
+    return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
+                                                                                                            out);
+  }
+  OrtStatus* input(const OrtKernelContext* ctx, size_t i, const OrtValue** out) const {
+    return fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, out);
+  }
+  OrtStatus* output(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t n, OrtValue** out) const {
+    return fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+        ctx, i, dims, n, out);
+  }
+  OrtStatus* data(const OrtValue* v, void** out) const {
+    return fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), out);
+  }
+  OrtStatus* shape(const OrtValue* v, std::vector<int64_t>* dims) const {
+    OrtShapeInfo* info = nullptr;
+    OrtStatus* s = fn<OrtStatus* (*)(const OrtValue*, OrtShapeInfo**)>(kGetTensorTypeAndShape)(v, &info);
+    if (s) return s;
+    size_t n = 0;
+    s = fn<OrtStatus* (*)(const OrtShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+    if (!s) {
+      dims->assign(n, 0);
+      s = fn<OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims->data(), n);
+    }
+    fn<void (*)(OrtShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+    return s;
+  }
+  void release(OrtStatus* s) const { fn<void (*)(OrtStatus*)>(kReleaseStatus)(s); }
+  OrtStatus* parallel_for(const OrtKernelContext* ctx, void (*f)(void*, size_t), size_t total, void* user) const {
+    return fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+        kKernelContextParallelFor)(ctx, f, total, 2, user);
+  }
+};
+
+Api g_api;
+
+// OrtCustomOp, field for field (ONNX Runtime reads the fields that exist at `version`).
+struct OrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const OrtCustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const OrtCustomOp*);
+  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
+  int (*GetInputType)(const OrtCustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const OrtCustomOp*);
+  int (*GetOutputType)(const OrtCustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
+  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
+  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const OrtCustomOp*, void*);
+  int (*GetStartVersion)(const OrtCustomOp*);
+  int (*GetEndVersion)(const OrtCustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+// ---- MXFP6 E2M3 -----------------------------------------------------------------------------------
+
+constexpr int kBlock = 32, kBlockBytes = 24;
+
+// 8 * |value| of E2M3 magnitude codes 16..31 (codes 0..15 are 8 * |value| = code itself).
+alignas(16) constexpr int8_t kHighMagnitudes[16] = {16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60};
+
+struct ScaleTable {
+  float v[256];  // 2^(e - 127) / 8: the block scale with E2M3's 1/8 folded in; 255 is NaN
+  ScaleTable() {
+    for (int e = 0; e < 255; ++e) v[e] = std::ldexp(1.0f, e - 127 - 3);
+    v[255] = NAN;
+  }
+};
+const ScaleTable kScales;
+
+// Activations, row by row and block by block, as integers with a float32 scale (absmax / qmax):
+// exact integer products with the int8 weights (8 * value), float32 only once per block. Bits = 16
+// rounds each activation to 1/65534 of its block's largest (closer than float16 does); Bits = 8 to
+// 1/254 (as MatMulNBits' accuracy_level 4 and llama.cpp's Q8 activations do), which is faster.
+template <int Bits>
+struct Activations {
+  using Int = std::conditional_t<Bits == 8, int8_t, int16_t>;
+  static constexpr float kMax = Bits == 8 ? 127.0f : 32767.0f;
+  std::vector<Int> q;        // [M, KB * 32]
+  std::vector<float> scale;  // [M, KB]
+
+  Activations(const float* a, int64_t m, int64_t k, int64_t kb) : q(m * kb * kBlock, 0), scale(m * kb, 0.0f) {
+    for (int64_t r = 0; r < m; ++r) {
+      const float* x = a + r * k;
+      Int* out = &q[r * kb * kBlock];
+      for (int64_t b = 0; b < kb; ++b) {
+        const int64_t k0 = b * kBlock, k1 = std::min<int64_t>(k, k0 + kBlock);
+        float amax = 0.0f;
+        bool finite = true;
+        for (int64_t i = k0; i < k1; ++i) {
+          amax = std::max(amax, std::fabs(x[i]));
+          finite = finite && std::isfinite(x[i]);
+        }
+        if (!finite) {  // Inf or NaN in, NaN out (as a float matmul would give, at least for NaN)
+          scale[r * kb + b] = NAN;
+        } else if (amax > 0.0f) {
+          const float inv = kMax / amax;
+          for (int64_t i = k0; i < k1; ++i) out[i] = static_cast<Int>(std::lrintf(x[i] * inv));
+          scale[r * kb + b] = amax / kMax;
+        }
+      }
+    }
+  }
+};
+
+template <int Bits>
+struct Problem {
+  const typename Activations<Bits>::Int* xq;  // [M, KB * 32]
+  const float* xs;                            // [M, KB]
+  const uint8_t* w;                           // [N, KB, 24]
+  const uint8_t* s;                           // [N, KB]
+  float* y;                                   // [M, N]
+  int64_t m, n, kb;
+};
+
+constexpr int64_t kTileColumns = 8;
+constexpr int kRowGroup = 4;
+
+// 8 lanes accumulated per row, then summed in this order (the vector path's order too).
+inline float lane_sum(const float* a) {
+  const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+// Which 4 of a block's 32 products make lane l's integer sum, as the vector path groups them:
+// int16 (madd of each 16-code half): 2l, 2l+1, 16+2l, 17+2l; int8 (maddubs, then madd): 4l..4l+3.
+template <int Bits>
+constexpr int lane_product(int l, int i) {
+  return Bits == 8 ? 4 * l + i : (i < 2 ? 2 * l + i : 14 + 2 * l + i);
+}
+
+// The portable path: the vector path's arithmetic lane by lane (integer sums are exact, and the
+// float operations are the same in the same order, so both give the same bits).
+template <int Bits>
+void column_scalar(const Problem<Bits>& p, int64_t col, int64_t row0, int rows) {
+  float acc[kRowGroup][8] = {};
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const uint8_t* blk = p.w + (col * p.kb + b) * kBlockBytes;
+    int32_t w[kBlock];
+    for (int j = 0; j < kBlock; ++j) {
+      const int lo = (j < 16 ? blk[j] : blk[j - 16] >> 4) & 15;
+      const int pair = (blk[16 + (j & 7)] >> (2 * (j >> 3))) & 3;  // bit 0: sign, bit 1: low half
+      const int mag = (pair & 2) ? lo : kHighMagnitudes[lo];
+      w[j] = (pair & 1) ? -mag : mag;
+    }
+    const float wscale = kScales.v[p.s[col * p.kb + b]];
+    for (int r = 0; r < rows; ++r) {
+      const auto* x = p.xq + (row0 + r) * p.kb * kBlock + b * kBlock;
+      const float scale = wscale * p.xs[(row0 + r) * p.kb + b];
+      for (int l = 0; l < 8; ++l) {
+        int32_t sum = 0;
+        for (int i = 0; i < 4; ++i) sum += w[lane_product<Bits>(l, i)] * x[lane_product<Bits>(l, i)];
+        acc[r][l] = std::fma(static_cast<float>(sum), scale, acc[r][l]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) p.y[(row0 + r) * p.n + col] = lane_sum(acc[r]);
+}
+
+#ifdef MXSPD_X86
+// Rows is a template argument so that the accumulators live in registers.
+template <int Bits, int Rows>
+__attribute__((target("avx2,fma"))) void column_avx2(const Problem<Bits>& p, int64_t col, int64_t row0) {
+  const __m256i low4 = _mm256_set1_epi8(15), low_half = _mm256_set1_epi8(char(0x80)), sign = _mm256_set1_epi8(0x40);
+  const __m256i one = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  const __m256i nibble_shift = _mm256_setr_epi64x(0, 0, 4, 4), pair_shift = _mm256_setr_epi64x(6, 4, 2, 0);
+  const __m256i high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHighMagnitudes)));
+  __m256 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* blk = p.w + col * p.kb * kBlockBytes;
+  const uint8_t* sc = p.s + col * p.kb;
+  const int64_t stride = p.kb * kBlock;
+  for (int64_t b = 0; b < p.kb; ++b, blk += kBlockBytes) {
+    // 32 codes -> magnitudes (8 * |value|, unsigned bytes) and a sign mask, in registers.
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(q, nibble_shift), low4);  // codes 0-15 | 16-31
+    const __m256i pairs = _mm256_sllv_epi64(_mm256_broadcastq_epi64(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(blk + 16))), pair_shift);  // each code's pair at bits 6, 7
+    const __m256i idx = _mm256_or_si256(lo, _mm256_and_si256(pairs, low_half));  // bit 7: shuffle gives 0
+    const __m256i mag = _mm256_max_epu8(_mm256_shuffle_epi8(high, idx), lo);
+    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(pairs, sign), sign);
+    const __m256 wscale = _mm256_set1_ps(kScales.v[sc[b]]);
+    if constexpr (Bits == 8) {
+      const __m256i sign1 = _mm256_or_si256(neg, one);  // -1 or +1: moves each weight's sign onto x
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (row0 + r) * stride + b * kBlock));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, sign1)), ones16);
+        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      }
+    } else {
+      const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+      for (int r = 0; r < Rows; ++r) {
+        const int16_t* x = p.xq + (row0 + r) * stride + b * kBlock;
+        const __m256i s = _mm256_add_epi32(
+            _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+            _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    p.y[(row0 + r) * p.n + col] = lane_sum(lanes);
+  }
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();  // this may run before libgcc's own constructor has filled the CPU model in
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");  // the env var: tests, both paths
+#endif
+
+template <int Bits>
+void tile(void* user, size_t index) {
+  const Problem<Bits>& p = *static_cast<const Problem<Bits>*>(user);
+  const int64_t end = std::min<int64_t>(p.n, (static_cast<int64_t>(index) + 1) * kTileColumns);
+  for (int64_t col = static_cast<int64_t>(index) * kTileColumns; col < end; ++col) {
+    for (int64_t row = 0; row < p.m; row += kRowGroup) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, p.m - row));
+#ifdef MXSPD_X86
+      if (kHasAvx2) {
+        constexpr void (*kByRows[kRowGroup])(const Problem<Bits>&, int64_t, int64_t) = {
+            column_avx2<Bits, 1>, column_avx2<Bits, 2>, column_avx2<Bits, 3>, column_avx2<Bits, 4>};
+        kByRows[rows - 1](p, col, row);
+        continue;
+      }
+#endif
+      column_scalar(p, col, row, rows);
+    }
+  }
+}
+
+template <int Bits>
+OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void* s, float* y, int64_t m, int64_t k,
+               int64_t n, int64_t kb) {
+  const Activations<Bits> x(a, m, k, kb);
+  Problem<Bits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s), y, m, n,
+                  kb};
+  return g_api.parallel_for(ctx, tile<Bits>, static_cast<size_t>((n + kTileColumns - 1) / kTileColumns), &p);
+}
+
+// ---- the op ---------------------------------------------------------------------------------------
+
+struct Kernel {
+  int64_t k, n, activation_bits;
+};
+
+OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t k = 0, n = 0;
+  if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
+  if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
+  int64_t bits = 16;
+  if (OrtStatus* s = g_api.attribute(info, "activation_bits", &bits)) {
+    g_api.release(s);  // optional: 16 unless given
+    bits = 16;
+  }
+  if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
+  if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
+  *out = new (std::nothrow) Kernel{k, n, bits};
+  return *out ? nullptr : g_api.error("MXMatMul: out of memory");
+}
+
+OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  const OrtValue *a = nullptr, *w = nullptr, *s = nullptr;
+  for (auto [i, v] : {std::pair<size_t, const OrtValue**>{0, &a}, {1, &w}, {2, &s}})
+    if (OrtStatus* st = g_api.input(ctx, i, v)) return st;
+  std::vector<int64_t> adims, wdims, sdims;
+  for (auto [v, d] : {std::pair<const OrtValue*, std::vector<int64_t>*>{a, &adims}, {w, &wdims}, {s, &sdims}})
+    if (OrtStatus* st = g_api.shape(v, d)) return st;
+  const int64_t kb = (kernel.k + kBlock - 1) / kBlock;
+  if (adims.empty() || adims.back() != kernel.k)
+    return g_api.error("MXMatMul: the last dimension of A must equal attribute K");
+  if (wdims != std::vector<int64_t>{kernel.n, kb, kBlockBytes} || sdims != std::vector<int64_t>{kernel.n, kb})
+    return g_api.error("MXMatMul: W must be uint8 [N, ceil(K/32), 24] and S uint8 [N, ceil(K/32)]");
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
+  std::vector<int64_t> ydims = adims;
+  ydims.back() = kernel.n;
+  OrtValue* y = nullptr;
+  if (OrtStatus* st = g_api.output(ctx, 0, ydims.data(), ydims.size(), &y)) return st;
+  void *pa = nullptr, *pw = nullptr, *ps = nullptr, *py = nullptr;
+  for (auto [v, d] : {std::pair<const OrtValue*, void**>{a, &pa}, {w, &pw}, {s, &ps}, {y, &py}})
+    if (OrtStatus* st = g_api.data(v, d)) return st;
+  if (m == 0) return nullptr;
+  const auto* rows = static_cast<const float*>(pa);
+  auto* out = static_cast<float*>(py);
+  return kernel.activation_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb)
+                                     : run<16>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb);
+}
+
+OrtCustomOp make_op() {
+  OrtCustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = [](const OrtCustomOp*) { return "MXMatMul"; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kUint8; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };       // default (CPU)
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
+  return op;
+}
+
+const OrtCustomOp kMXMatMul = make_op();
+
+}  // namespace
+
+// Called by ONNX Runtime's SessionOptions.register_custom_ops_library(path).
+MXSPD_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  static std::once_flag once;
+  static OrtCustomOpDomain* domain = nullptr;
+  static OrtStatus* failed = nullptr;
+  std::call_once(once, [&] {
+    g_api.table = base->GetApi(kApiVersion);
+    if (!g_api.table) return;
+    failed = g_api.fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.mxspd", &domain);
+    if (!failed)
+      failed = g_api.fn<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, &kMXMatMul);
+  });
+  if (!g_api.table) return nullptr;  // cannot even report: ONNX Runtime older than 1.17
+  if (failed) return g_api.error("mxspd kernels: registering the ai.mxspd domain failed");
+  return g_api.fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}

@@ -1,0 +1,19 @@
+"""The one compiled part: ONNX Runtime custom ops (kernels/mx_ort_ops.cc), built by `pip install`.
+
+Optional: where no C++ compiler is found the install still succeeds, and the compiler falls back to
+MatMulNBits for MX weights with a warning (kernels.library_path() is then None).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kernels._mxspd_ort",  # loaded by ONNX Runtime (register_custom_ops_library), never imported
+            sources=["kernels/mx_ort_ops.cc"],
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+            optional=True,
+        )
+    ]
+)

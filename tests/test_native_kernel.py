@@ -1,0 +1,187 @@
+"""mxspd's native MX kernel (kernels/mx_ort_ops.cc, ai.mxspd::MXMatMul): its values against a numpy
+model of the documented arithmetic, batch invariance, both code paths, the lowering that emits it
+and the fallback without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+import kernels
+from common.recipe import RecipeError, recipe_from_dict
+from compiler import build
+from compiler.mx_lowering import LoweringError, lower_model
+from compiler.targets import session_options
+from kernels.layout import pack_columns, unpack_columns
+from quant import element_values, fake_quantize
+from quant.onnx_pass import quantize_model
+from tests.test_mx_graph import WEIGHT, matmul_model, weights
+
+needs_library = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
+
+
+def test_library_is_built_where_a_compiler_is():
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler on this machine: the install skips the native kernel")
+    assert kernels.library_path() is not None, "pip install found a compiler but did not build kernels/_mxspd_ort"
+
+
+def test_layout_round_trips_every_code():
+    codes = np.random.default_rng(0).integers(0, 64, (70, 5)).astype(np.uint8)
+    packed = pack_columns(codes)
+    assert packed.shape == (5, 3, 24)  # K = 70 padded to 3 blocks; 24 bytes (6.25 bits with the scale) per block
+    np.testing.assert_array_equal(unpack_columns(packed, 70), codes)
+
+
+def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list) -> onnx.ModelProto:
+    k, n = codes.shape
+    node = helper.make_node("MXMatMul", ["a", "w", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n, activation_bits=bits)
+    graph = helper.make_graph(
+        [node], "mx", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(pack_columns(codes), "w"), numpy_helper.from_array(np.ascontiguousarray(exps.T), "s")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
+
+
+def session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
+    return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
+
+
+def reference(a: np.ndarray, codes: np.ndarray, exps: np.ndarray, bits: int) -> np.ndarray:
+    """The documented arithmetic in float64: activations rounded per block of 32 to `bits`-bit integers."""
+    k = codes.shape[0]
+    kb = -(-k // 32)
+    qmax = 2.0 ** (bits - 1) - 1
+    x = np.zeros((a.shape[0], kb * 32))
+    x[:, :k] = a
+    blocks = x.reshape(-1, kb, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True).astype(np.float32).astype(np.float64)
+    step = np.where(amax > 0, (amax / qmax).astype(np.float32), 0).astype(np.float64)
+    inv = np.where(amax > 0, (qmax / amax).astype(np.float32), 0).astype(np.float32)
+    q = np.rint((blocks.astype(np.float32) * inv).astype(np.float32)).astype(np.float64) * step
+    w = element_values("fp6_e2m3")[codes].astype(np.float64) * np.ldexp(1.0, exps.astype(int) - 127).repeat(32, 0)[:k]
+    return q.reshape(-1, kb * 32)[:, :k] @ w
+
+
+def random_mx(k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 64, (k, n)).astype(np.uint8), rng.integers(118, 132, (-(-k // 32), n)).astype(np.uint8)
+
+
+@needs_library
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("k,n", [(96, 40), (70, 19), (576, 192)])
+def test_values_follow_the_documented_arithmetic(bits, k, n):
+    codes, exps = random_mx(k, n)
+    a = np.random.default_rng(1).standard_normal((6, k)).astype(np.float32)
+    y = session(mx_matmul_model(codes, exps, bits, [6, k])).run(None, {"a": a})[0]
+    ref = reference(a, codes, exps, bits)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    exact = a.astype(np.float64) @ (element_values("fp6_e2m3")[codes] * np.ldexp(1.0, exps.astype(int) - 127)
+                                    .repeat(32, 0)[:k])
+    err = np.abs(y - exact).max() / np.abs(exact).max()
+    # int16 activations: within float32-accumulation noise of the exact product; int8: ~0.5% as MatMulNBits' level 4
+    assert err < (1e-4 if bits == 16 else 2e-2), err
+    assert err > (0 if bits == 16 else 1e-4)  # negative control: int8 really rounds coarser
+
+
+@needs_library
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits):
+    codes, exps = random_mx(576, 200, seed=3)
+    a = np.random.default_rng(4).standard_normal((13, 576)).astype(np.float32)
+    s = session(mx_matmul_model(codes, exps, bits, [None, 576]))
+    full = s.run(None, {"a": a})[0]
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        np.testing.assert_array_equal(s.run(None, {"a": a[:m]})[0], full[:m])
+    np.testing.assert_array_equal(s.run(None, {"a": a[[7]]})[0], full[[7]])
+    one_thread = session(mx_matmul_model(codes, exps, bits, [None, 576]), threads=1)
+    np.testing.assert_array_equal(one_thread.run(None, {"a": a})[0], full)
+    batched = session(mx_matmul_model(codes, exps, bits, [1, 13, 576])).run(None, {"a": a[None]})[0]
+    np.testing.assert_array_equal(batched[0], full)
+
+
+@needs_library
+def test_non_finite_activations_stay_in_their_row():
+    codes, exps = random_mx(64, 8)
+    a = np.ones((3, 64), np.float32)
+    a[1, 5] = np.nan
+    y = session(mx_matmul_model(codes, exps, 16, [3, 64])).run(None, {"a": a})[0]
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    np.testing.assert_array_equal(y[0], y[2])
+
+
+@needs_library
+def test_portable_path_gives_the_vector_paths_bits(tmp_path):
+    """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loop on any CPU."""
+    codes, exps = random_mx(100, 33, seed=5)
+    np.save(tmp_path / "a.npy", np.random.default_rng(6).standard_normal((5, 100)).astype(np.float32))
+    code = ("import sys, numpy as np, onnx; from tests.test_native_kernel import session;"
+            "m = onnx.load_from_string(sys.stdin.buffer.read()); a = np.load(sys.argv[1]);"
+            "sys.stdout.buffer.write(session(m).run(None, {'a': a})[0].tobytes())")
+    outs = []
+    for portable in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "MXSPD_KERNELS_PORTABLE"}
+        env |= {"MXSPD_KERNELS_PORTABLE": "1"} if portable else {}
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.npy")], env=env, check=True,
+                             input=mx_matmul_model(codes, exps, 16, [5, 100]).SerializeToString(), capture_output=True)
+        outs.append(np.frombuffer(out.stdout, np.float32))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@needs_library
+def test_bad_shapes_are_refused_with_a_message():
+    codes, exps = random_mx(64, 8)
+    model = mx_matmul_model(codes, exps, 16, [2, None])
+    with pytest.raises(Exception, match="last dimension of A must equal attribute K"):
+        session(model).run(None, {"a": np.ones((2, 65), np.float32)})
+    model.graph.node[0].attribute[-1].i = 4
+    with pytest.raises(Exception, match="activation_bits must be 8 or 16"):
+        session(model)
+
+
+@needs_library
+@pytest.mark.parametrize("lowering", ["native", "native8"])
+def test_native_lowering_runs_mxmatmul_on_the_mx_values(lowering, tmp_path):
+    w = weights(96, 40)
+    model = matmul_model(w)
+    quantize_model(model)
+    assert lower_model(model, lowering) == {WEIGHT: "fp6_e2m3"}
+    assert [(n.op_type, n.domain) for n in model.graph.node] == [("MXMatMul", kernels.DOMAIN)]
+    build._check_lowered(model, "decode", lowering, {WEIGHT: "fp6_e2m3"})
+    x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), session_options(),
+                             providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    exact = x @ fake_quantize(w, "fp6_e2m3", axis=0)
+    np.testing.assert_allclose(y, exact, rtol=0, atol=(1e-4 if lowering == "native" else 2e-2) * np.abs(exact).max())
+
+
+def test_native_lowering_refuses_e3m2():
+    model = matmul_model(weights(64, 32))
+    quantize_model(model, "fp6_e3m2")
+    with pytest.raises(LoweringError, match="exact"):
+        lower_model(model, "native")
+    with pytest.raises(RecipeError, match="exact"):
+        recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2", "mx_lowering": "native"},
+                          "speculative": False})
+
+
+def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(monkeypatch):
+    monkeypatch.setattr(build, "library_path", lambda: None)
+    with pytest.warns(UserWarning, match="falling back to 'fused'"):
+        assert build.effective_lowering("native", "ort-cpu") == "fused"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build.effective_lowering("exact", "ort-cpu") == "exact"
+    monkeypatch.setattr(kernels, "library_path", lambda: None)
+    with pytest.raises(kernels.KernelsUnavailableError, match="mx_lowering = 'fused'"):
+        kernels.require_library()

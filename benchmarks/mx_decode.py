@@ -6,9 +6,10 @@ Engines (ENGINES): float32; MXFP6 E2M3 through ONNX Runtime's MatMulNBits (`fuse
 float32 scales: 9 bits per weight); through mxspd's native 6-bit kernel with int16 or int8
 activations (`native`, `native8`: 6.25 bits per weight); and the native ones with the LM head in
 MXFP6 too. Prints, per engine: greedy decode tokens/s of every repeat (engines alternated) and
-their median, the weight bytes one decode call reads and the floor they imply at this machine's
-read bandwidth (benchmarks.bandwidth), the fraction of that floor reached, the length of the
-greedy output identical to float32's, and teacher-forced top-1 agreement with float32 on it.
+their median, time to first token (the prompt's prefill), the weight bytes one decode call
+reads and the floor they imply at this machine's read bandwidth (benchmarks.bandwidth), the
+fraction of that floor reached, the length of the greedy output identical to float32's, and
+teacher-forced top-1 agreement with float32 on it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ ENGINES = {  # name -> (mx_format, lowering, mx_lm_head)
 }
 
 
+# A short answer stops at EOS after a few tokens and times nothing; this one runs past 128 on SmolLM2.
+LONG_ANSWER = "Write a Python function that returns the square of a number, and explain it."
+
+
 def same_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -52,6 +57,7 @@ def main() -> None:
     ap.add_argument("--recipe", default=DEFAULT_RECIPE)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt", default=LONG_ANSWER, help="a prompt whose greedy answer runs the whole --new-tokens")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}")
     args = ap.parse_args()
     names = args.engines.split(",")
@@ -65,9 +71,10 @@ def main() -> None:
         r = replace(r, tlm=replace(r.tlm, mx_lm_head=head), max_new_tokens=args.new_tokens)
         arts[name] = runtime.load_artifact(build_cached(r, cache_root() / "bench" / f"{recipe.name}-{name}"))
     art0 = arts["fp32"]
-    prompt = encode_prompt(art0, recipe.prompts[0])  # with the recipe's chat template
+    prompt = encode_prompt(art0, args.prompt)  # with the recipe's chat template
     n = args.new_tokens
     rows: dict[str, list[float]] = {k: [] for k in arts}
+    ttft: dict[str, list[float]] = {k: [] for k in arts}
     ids: dict[str, list[int]] = {}
     for art in arts.values():  # warm-up
         time_ours(art, prompt, 8)
@@ -75,6 +82,7 @@ def main() -> None:
         for name, art in arts.items():
             tps, r = time_ours(art, prompt, n)
             rows[name].append(round(tps, 1))
+            ttft[name].append(round(r.metrics.ttft_s * 1e3, 1))
             ids[name] = r.token_ids
     gbs = read_bandwidth_gbs()
     seq = np.asarray(prompt + ids["fp32"], dtype=np.int64)
@@ -89,7 +97,8 @@ def main() -> None:
         med = float(np.median(rows[name]))
         mb = weight_bytes_per_call(art.path, "tlm") / 1e6
         report["engines"][name] = {
-            "tokens_per_s": rows[name], "median": med, "weights_read_per_token_MB": round(mb, 1),
+            "tokens_per_s": rows[name], "median": med, "ttft_ms": ttft[name], "prompt_tokens": len(prompt),
+            "weights_read_per_token_MB": round(mb, 1),
             "floor_tokens_per_s": round(gbs * 1e3 / mb, 1), "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
             "greedy_prefix_equal_to_fp32": same_prefix(ids[name], ids["fp32"]), "generated": len(ids[name]),
             "top1_agreement_with_fp32": round(float((score(art, seq)[1][generated] == ref_top1).mean()), 4),

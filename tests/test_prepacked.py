@@ -39,7 +39,7 @@ def _prepacked_entries(path: Path) -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def mx_fused_dir(checkpoints, tmp_path_factory):
-    recipe = replace(tiny_recipe(), tlm=ModelSpec(model="", mx_format="fp6_e2m3"))
+    recipe = replace(tiny_recipe(), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))
     return build_artifact(recipe, tmp_path_factory.mktemp("mx") / "art", tlm=str(checkpoints["llama-gqa"]),
                           dlm=str(checkpoints["draft"]), progress=False)
 

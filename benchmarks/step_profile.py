@@ -1,0 +1,91 @@
+"""Where one call of a compiled graph spends its time: the whole call at 1 and 2 threads, and
+ONNX Runtime's per-op-type kernel time (its profiler adds a little per node, so the split is the
+useful part, not the sum).
+
+    python -m benchmarks.step_profile ARTIFACT [--model tlm] [--graph decode] [--calls 30]
+
+Inputs are zeros with a full attention mask (the cost of a decode step does not depend on the
+values). Sessions are made as the runtime makes them (compiler.targets.compiled_session_options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from common.manifest import read_manifest
+from compiler.targets import compiled_session_options
+
+_DTYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(bool)": np.bool_,
+           "tensor(float16)": np.float16}
+
+
+def _session(path: Path, target: str, threads: int, profile: str | None = None) -> ort.InferenceSession:
+    so = compiled_session_options(target, threads)
+    if profile:
+        so.enable_profiling, so.profile_file_prefix = True, profile
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _feeds(s: ort.InferenceSession) -> dict[str, np.ndarray]:
+    out = {}
+    for i in s.get_inputs():
+        shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        dtype = _DTYPES[i.type]
+        out[i.name] = np.ones(shape, dtype) if dtype == np.bool_ else np.zeros(shape, dtype)
+    return out
+
+
+def _ms_per_call(s: ort.InferenceSession, feeds: dict, calls: int) -> float:
+    for _ in range(3):
+        s.run(None, feeds)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        s.run(None, feeds)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--model", default="tlm")
+    ap.add_argument("--graph", default="decode")
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args()
+    manifest = read_manifest(args.artifact, verify=False)
+    path = args.artifact / manifest.models[args.model].graphs[args.graph].file
+    report: dict = {"graph": str(path), "ms_per_call": {}}
+    for threads in (1, 2, 1, 2):  # interleaved, twice
+        s = _session(path, manifest.target, threads)
+        report["ms_per_call"].setdefault(f"{threads} threads", []).append(
+            round(_ms_per_call(s, _feeds(s), args.calls), 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        s = _session(path, manifest.target, 1, profile=str(Path(tmp) / "p"))
+        feeds = _feeds(s)
+        for _ in range(args.calls):
+            s.run(None, feeds)
+        events = json.loads(Path(s.end_profiling()).read_text())
+    by_op: dict[str, float] = defaultdict(float)
+    nodes: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            by_op[e["args"]["op_name"]] += e["dur"] / args.calls
+            nodes[e["args"]["op_name"]] += 1
+    total = sum(by_op.values())
+    report["profiled_1_thread_kernel_ms_per_call"] = round(total / 1e3, 2)
+    report["nodes"] = sum(nodes.values()) // args.calls
+    report["by_op_type"] = {op: {"ms": round(us / 1e3, 3), "share": round(us / total, 3),
+                                 "nodes": nodes[op] // args.calls}
+                            for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

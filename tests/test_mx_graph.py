@@ -121,12 +121,16 @@ def test_fused_and_exact_agree_within_activation_quantization(tmp_path):
     assert err > 0  # activations really were quantized: the two lowerings are not the same computation
 
 
-def test_fused_e3m2_is_refused():
+@pytest.mark.parametrize("lowering", ["fused", "native", "native8"])
+def test_e3m2_needs_the_exact_lowering(lowering):
     model = matmul_model(weights(64, 32))
     quantize_model(model, "fp6_e3m2")
     with pytest.raises(LoweringError, match="exact"):
-        lower_model(model, "fused")
+        lower_model(model, lowering)
     with pytest.raises(RecipeError, match="exact"):
+        recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2", "mx_lowering": lowering},
+                          "speculative": False})
+    with pytest.raises(RecipeError, match="exact"):  # the default lowering too
         recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2"}, "speculative": False})
 
 

@@ -17,9 +17,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 import kernels
-from common.recipe import RecipeError, recipe_from_dict
 from compiler import build
-from compiler.mx_lowering import LoweringError, lower_model
+from compiler.mx_lowering import lower_model
 from compiler.targets import session_options
 from kernels.layout import pack_columns, unpack_columns
 from quant import element_values, fake_quantize
@@ -163,16 +162,6 @@ def test_native_lowering_runs_mxmatmul_on_the_mx_values(lowering, tmp_path):
                              providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     exact = x @ fake_quantize(w, "fp6_e2m3", axis=0)
     np.testing.assert_allclose(y, exact, rtol=0, atol=(1e-4 if lowering == "native" else 2e-2) * np.abs(exact).max())
-
-
-def test_native_lowering_refuses_e3m2():
-    model = matmul_model(weights(64, 32))
-    quantize_model(model, "fp6_e3m2")
-    with pytest.raises(LoweringError, match="exact"):
-        lower_model(model, "native")
-    with pytest.raises(RecipeError, match="exact"):
-        recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2", "mx_lowering": "native"},
-                          "speculative": False})
 
 
 def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(monkeypatch):

@@ -61,8 +61,10 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}")
     args = ap.parse_args()
     names = args.engines.split(",")
-    if unknown := set(names) - set(ENGINES) or ("fp32" not in names and {"fp32"}):
-        raise SystemExit(f"unknown or missing engines {sorted(unknown)}: choose from {list(ENGINES)}, fp32 included")
+    if unknown := sorted(set(names) - set(ENGINES)):
+        ap.error(f"unknown engines {unknown}: choose from {list(ENGINES)}")
+    if "fp32" not in names:
+        ap.error("--engines must include fp32 (the reference every other engine is compared with)")
     recipe = get_recipe(args.recipe)
     arts = {}
     for name in names:

@@ -29,15 +29,7 @@ from common.onnx_store import SharedFile, merge_external, read_tensor, save_grap
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
 from compiler.costs import graph_costs_ms
-from compiler.mx_lowering import (
-    ACCURACY_LEVEL,
-    FUSED_SUFFIX,
-    MS_DOMAIN,
-    NATIVE_ACTIVATION_BITS,
-    NATIVE_DOMAIN,
-    NATIVE_SUFFIX,
-    lower_model,
-)
+from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 from kernels import MX_MATMUL, library_path
 
@@ -95,11 +87,9 @@ def effective_lowering(lowering: str, target: str) -> str:
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
     """Fused and native: every lowered weight must still run through its kernel, never full precision
     silently. (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
-    kernel = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX)} | {
-        name: (NATIVE_DOMAIN, MX_MATMUL, NATIVE_SUFFIX) for name in NATIVE_ACTIVATION_BITS}
     lost = []
-    if lowering in kernel:
-        domain, op, suffix = kernel[lowering]
+    if lowering in KERNEL_OPS:
+        domain, op, suffix = KERNEL_OPS[lowering]
         kept = {n.input[1] for n in graph.graph.node if n.op_type == op and n.domain == domain}
         lost = [w for w in lowered if w + suffix not in kept]
     if lost or not lowered:

@@ -45,6 +45,9 @@ FP6_FORMATS = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
 NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
+# The op each kernel lowering turns a MatMul into, and the suffix of its weight input.
+KERNEL_OPS = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX)} | {
+    name: (NATIVE_DOMAIN, MX_MATMUL, NATIVE_SUFFIX) for name in NATIVE_ACTIVATION_BITS}
 _SHIFTS = np.array([1, 64, 64**2, 64**3], dtype=np.int32)  # 4 codes of a 24-bit group, LSB first
 _BYTE_WEIGHTS = np.array([1, 256, 65536], dtype=np.int32)
 
@@ -137,7 +140,7 @@ def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
 def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list,
                   activation_bits: int) -> None:
     """MatMul -> ai.mxspd::MXMatMul(A, codes in the kernel's layout, E8M0 bytes [N, K/32])."""
-    _need_e2m3(name, fmt, "native")
+    _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
     k, n = codes.shape
     weights = b.const(name + NATIVE_SUFFIX, pack_columns(codes))
     scales = b.const(name + ".e8m0", np.ascontiguousarray(exps.T))
@@ -218,7 +221,7 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
     if not lowered:
         return lowered
     rewrite_graph(graph, [t for t in graph.initializer if t.name not in dropped], b.nodes)
-    _restore_opset(model, {"fused": MS_DOMAIN, "native": NATIVE_DOMAIN, "native8": NATIVE_DOMAIN}.get(lowering))
+    _restore_opset(model, KERNEL_OPS[lowering][0] if lowering in KERNEL_OPS else None)
     return lowered
 
 

@@ -176,7 +176,9 @@ struct Activations {
   std::vector<Int> q;        // [M, KB * 32]
   std::vector<float> scale;  // [M, KB]
 
-  Activations(const float* a, int64_t m, int64_t k, int64_t kb) : q(m * kb * kBlock, 0), scale(m * kb, 0.0f) {
+  void fill(const float* a, int64_t m, int64_t k, int64_t kb) {
+    q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
+    scale.assign(m * kb, 0.0f);
     for (int64_t r = 0; r < m; ++r) {
       const float* x = a + r * k;
       Int* out = &q[r * kb * kBlock];
@@ -336,7 +338,8 @@ void tile(void* user, size_t index) {
 template <int Bits>
 OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void* s, float* y, int64_t m, int64_t k,
                int64_t n, int64_t kb) {
-  const Activations<Bits> x(a, m, k, kb);
+  thread_local Activations<Bits> x;  // reused call after call by the thread that runs the op
+  x.fill(a, m, k, kb);
   Problem<Bits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s), y, m, n,
                   kb};
   return g_api.parallel_for(ctx, tile<Bits>, static_cast<size_t>((n + kTileColumns - 1) / kTileColumns), &p);

@@ -1,4 +1,4 @@
-"""The one compiled part: ONNX Runtime custom ops (kernels/mx_ort_ops.cc), built by `pip install`.
+"""The one compiled part: ONNX Runtime custom ops (kernels/*.cc), built by `pip install`.
 
 Optional: where no C++ compiler is found the install still succeeds, and the compiler falls back to
 MatMulNBits for MX weights with a warning (kernels.library_path() is then None).
@@ -10,9 +10,10 @@ setup(
     ext_modules=[
         Extension(
             "kernels._mxspd_ort",  # loaded by ONNX Runtime (register_custom_ops_library), never imported
-            sources=["kernels/mx_ort_ops.cc"],
+            sources=["kernels/register.cc", "kernels/mx_matmul.cc", "kernels/row_matmul.cc", "kernels/attention.cc"],
+            depends=["kernels/ort_api.h"],
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,
         )
     ]

@@ -24,7 +24,8 @@ import onnx
 from common import graph_io
 from common.manifest import read_manifest
 
-_PRODUCT_WEIGHTS = {"MatMul": (1,), "FusedMatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2), "MXMatMul": (1, 2)}
+_PRODUCT_WEIGHTS = {"MatMul": (1,), "FusedMatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2), "MXMatMul": (1, 2),
+                    "RowMatMul": (1,)}
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, allocations: int = 3) -> float:
@@ -57,6 +58,10 @@ def weight_bytes_per_call(artifact_dir: Path, model: str, graph: str = graph_io.
     g = onnx.load(str(Path(artifact_dir) / entry.graphs[graph].file), load_external_data=False).graph
     sizes = {t.name: int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
              for t in g.initializer}
+    for n in g.node:  # RowMatMul's panels are padded to 64 columns; the padding is never read
+        if n.op_type == "RowMatMul" and n.input[1] in sizes:
+            k = next(t.dims[1] for t in g.initializer if t.name == n.input[1])
+            sizes[n.input[1]] = 4 * k * next(a.i for a in n.attribute if a.name == "N")
     names = {n.input[i] for n in g.node for i in _PRODUCT_WEIGHTS.get(n.op_type, ()) if len(n.input) > i}
     return sum(sizes[name] for name in names if name in sizes)
 

@@ -1,6 +1,6 @@
 """MXFP6 decode speed by lowering, side by side in one run, on a recipe's TLM (default: the default recipe).
 
-    python -m benchmarks.mx_decode [--recipe NAME] [--new-tokens 128] [--repeats 3] [--engines a,b,...]
+    python -m benchmarks.mx_decode [--recipe NAME] [--new-tokens 128] [--repeats 3] [--engines a,b,...] [--plain]
 
 Engines (ENGINES): float32; MXFP6 E2M3 through ONNX Runtime's MatMulNBits (`fused`, 8-bit codes and
 float32 scales: 9 bits per weight); through mxspd's native 6-bit kernel with int16 or int8
@@ -9,7 +9,10 @@ MXFP6 too. Prints, per engine: greedy decode tokens/s of every repeat (engines a
 their median, time to first token (the prompt's prefill), the weight bytes one decode call
 reads and the floor they imply at this machine's read bandwidth (benchmarks.bandwidth), the
 fraction of that floor reached, the length of the greedy output identical to float32's, and
-teacher-forced top-1 agreement with float32 on it.
+teacher-forced top-1 agreement with float32 on it, and whether greedy prompt lookup and lookahead
+give exactly the autoregressive tokens. `--plain` also builds every engine with
+`batch_invariant = false` (named `<engine>:plain`; ONNX Runtime's MatMul and attention): the cost of
+batch invariance is the ratio of the two.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", default=LONG_ANSWER, help="a prompt whose greedy answer runs the whole --new-tokens")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}")
+    ap.add_argument("--plain", action="store_true", help="also each engine built with batch_invariant = false")
     args = ap.parse_args()
     names = args.engines.split(",")
     if unknown := sorted(set(names) - set(ENGINES)):
@@ -71,7 +75,11 @@ def main() -> None:
         fmt, lowering, head = ENGINES[name]
         r = variant(recipe, fmt, lowering, with_dlm=False)
         r = replace(r, tlm=replace(r.tlm, mx_lm_head=head), max_new_tokens=args.new_tokens)
-        arts[name] = runtime.load_artifact(build_cached(r, cache_root() / "bench" / f"{recipe.name}-{name}"))
+        for plain in (False, True) if args.plain else (False,):
+            key = name + (":plain" if plain else "")
+            built = build_cached(replace(r, batch_invariant=not plain),
+                                 cache_root() / "bench" / f"{recipe.name}-{key.replace(':', '-')}")
+            arts[key] = runtime.load_artifact(built)
     art0 = arts["fp32"]
     prompt = encode_prompt(art0, args.prompt)  # with the recipe's chat template
     n = args.new_tokens
@@ -105,7 +113,14 @@ def main() -> None:
             "greedy_prefix_equal_to_fp32": same_prefix(ids[name], ids["fp32"]), "generated": len(ids[name]),
             "top1_agreement_with_fp32": round(float((score(art, seq)[1][generated] == ref_top1).mean()), 4),
             "kernel": art.manifest.models["tlm"].quant.get("kernel", "float32"),
+            "batch_invariant": art.manifest.models["tlm"].batch_invariant,
+            "speculation_equals_autoregressive": {
+                m: runtime.generate(art, prompt, max_new_tokens=n, speculative=m).token_ids == ids[name]
+                for m in ("prompt_lookup", "lookahead")},
         }
+        if name.endswith(":plain"):
+            invariant = name.removesuffix(":plain")
+            report["engines"][invariant]["speed_over_plain"] = round(float(np.median(rows[invariant])) / med, 3)
     print(json.dumps(report, indent=2))
 
 

@@ -39,6 +39,7 @@ class ModelEntry:
     dtype: str = "float32"
     quant: dict[str, Any] = field(default_factory=dict)  # MX format and lowering, empty if none
     eos_token_ids: tuple[int, ...] = ()
+    batch_invariant: bool = False  # graphs run by mxspd's row-invariant kernels (compiler/invariance.py)
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,18 @@ def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], 
     graph.node.extend(first + rest)
 
 
+def default_opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def set_default_opset(model: onnx.ModelProto, version: int) -> None:
+    """The standard-ops opset of the model and of its local functions (which must import the same)."""
+    for imports in [model.opset_import, *(f.opset_import for f in model.functions)]:
+        for o in imports:
+            if o.domain in ("", "ai.onnx"):
+                o.version = version
+
+
 def read_tensor(t: onnx.TensorProto, base_dir: Path) -> bytes:
     """An initializer's bytes, inline or from its external-data file (relative to base_dir)."""
     if t.data_location != onnx.TensorProto.EXTERNAL:

@@ -115,6 +115,7 @@ class Recipe:
     max_new_tokens: int = 128
     batch_size: int = 1
     target: str = "ort-cpu"
+    batch_invariant: bool = True  # compiler/invariance.py: off only to measure what it costs
     speculative: bool = True
     speculation: str = "draft"  # one of SPECULATION_METHODS, used when speculative is on
     lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)

@@ -14,7 +14,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 
 import onnx
@@ -29,6 +28,7 @@ from common.onnx_store import SharedFile, merge_external, read_tensor, save_grap
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
 from compiler.costs import graph_costs_ms
+from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 from kernels import MX_MATMUL, library_path
@@ -55,20 +55,31 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     return out
 
 
-def _lower(export_dir: Path, name: str, lowering: str, shared: SharedFile) -> tuple[Path, dict[str, str]]:
-    """Lower the MX ops of one graph for ONNX Runtime, weight by weight, into the model's lowered
-    weights file (shared by its graphs: equal tensors are stored once); returns the graph's path."""
+def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile
+           ) -> tuple[Path, dict[str, str]]:
+    """Lower the MX ops of one graph for ONNX Runtime, weight by weight, and make it batch-invariant
+    (or inline its attention), into the model's lowered weights file (shared by its graphs: equal
+    tensors are stored once); returns the graph's path and the MX weights lowered."""
     model = onnx.load(str(export_dir / f"{name}.onnx"), load_external_data=False)
     exported = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-    lowered = lower_model(model, lowering, read=lambda t: read_tensor(t, export_dir), store=shared.external)
-    for t in model.graph.initializer:  # weights the lowering left alone (embeddings, norms, LM head)
+    here = Path(shared.f.name)
+
+    def read(t: onnx.TensorProto) -> bytes:  # exported weights, or ones this lowering has written
+        shared.f.flush()
+        located = {e.key: e.value for e in t.external_data}.get("location")
+        return read_tensor(t, here.parent if located == shared.name else export_dir)
+
+    lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
+    if invariant:
+        make_invariant(model, read=read, store=shared.external)
+    else:
+        model = inline_attention(model)
+    for t in model.graph.initializer:  # weights the passes left alone (embeddings, norms)
         if t.name in exported:
-            data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
-                                    raw_data=read_tensor(t, export_dir))
+            data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))
             t.CopyFrom(shared.external(data))
     shared.f.flush()
-    path = Path(shared.f.name).parent / f"lowered-{name}.onnx"
-    return save_graph(model, path), lowered
+    return save_graph(model, here.parent / f"lowered-{name}.onnx"), lowered
 
 
 def effective_lowering(lowering: str, target: str) -> str:
@@ -97,28 +108,43 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
                            f"{len(lost) or 'all'} weights (first: {lost[:3]})")
 
 
-def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, progress: bool) -> ModelEntry:
+def effective_invariance(wanted: bool, target: str) -> bool:
+    """Batch-invariant graphs where mxspd's kernels run (built, CPU target); else not, said aloud."""
+    if not wanted:
+        return False
+    why = ("its library was not built at install (no C++ compiler?)" if library_path() is None
+           else f"they run on the CPU only, and the target is {target}" if target not in PREPACKED_TARGETS else None)
+    if why is not None:
+        warnings.warn(f"batch-invariant graphs need mxspd's kernels, and {why}: this artifact's speculation and "
+                      "batching may differ from autoregressive decoding in the last bits (near-ties can flip)",
+                      stacklevel=2)
+    return why is None
+
+
+def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, invariant: bool, progress: bool
+                   ) -> ModelEntry:
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
-    if quant:
-        lowering = effective_lowering(lowering, target)
+    lowering = effective_lowering(lowering, target) if quant else None
+    invariant = effective_invariance(invariant, target)
 
-    def optimized(work: Path, shared: SharedFile | None) -> Iterator[tuple[str, Path]]:
+    def optimized(work: Path, shared: SharedFile) -> Iterator[tuple[str, Path]]:
         """Each graph lowered and optimised in turn; its optimised copy goes once it is merged."""
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
-            graph = export_dir / f"{name}.onnx"
-            if shared is not None:
-                graph, lowered = _lower(export_dir, name, lowering, shared)
+            graph, lowered = _lower(export_dir, name, lowering, invariant, shared)
             path = _optimize(graph, target, work)
-            if shared is not None:
-                _check_lowered(onnx.load(str(path), load_external_data=False), name, lowering, lowered)
+            optimised = onnx.load(str(path), load_external_data=False)
+            if quant:
+                _check_lowered(optimised, name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph
+            if invariant:
+                check_invariant(optimised, name)
             yield name, path
             for f in work.glob("opt-*"):
                 f.unlink()
 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
-        with shared_file(Path(work) / "lowered.bin") if quant else nullcontext() as shared:
+        with shared_file(Path(work) / "lowered.bin") as shared:
             paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
     dims = ModelDims(**info["dims"])
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
@@ -140,6 +166,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         dtype=info.get("storage_dtype", "float32"),
         quant=quant,
         eos_token_ids=tuple(info["eos_token_ids"]),
+        batch_invariant=invariant,
     )
 
 
@@ -170,7 +197,8 @@ def compile_artifact(
     try:
         specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
-            role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering, progress)
+            role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering,
+                                 recipe.batch_invariant, progress)
             for role, d in exports.items()
         }
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")

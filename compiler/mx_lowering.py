@@ -14,7 +14,7 @@ optimises, so the artifact stays small). Then:
 - `exact`: the unpacking yields the float32 weights themselves, exactly the MXFP6 values, and the
   MatMul is left alone.
 - `native` / `native8` (E2M3 only): the MatMul becomes mxspd's own `ai.mxspd::MXMatMul`
-  (kernels/mx_ort_ops.cc), which keeps the weights 6-bit in memory (6.25 bits per weight read per
+  (kernels/mx_matmul.cc), which keeps the weights 6-bit in memory (6.25 bits per weight read per
   token, against MatMulNBits' 9) and rounds activations per block to int16 (`native`: within
   1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). Every row
   is computed alike whatever the call's rows. Needs the kernel library built at install
@@ -31,7 +31,7 @@ from onnx import helper, numpy_helper
 
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
-from common.onnx_store import rewrite_graph
+from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
 from kernels import MX_MATMUL, NATIVE_LOWERINGS
@@ -230,9 +230,9 @@ def _restore_opset(model: onnx.ModelProto, domain: str | None) -> None:
     props = {p.key: p.value for p in model.metadata_props}
     if BASE_OPSET_KEY not in props:
         raise LoweringError(f"the MX graph does not record its opset before the quant pass ({BASE_OPSET_KEY})")
-    base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    base.version = int(props[BASE_OPSET_KEY])
-    if base.version < 13:  # the unpacking uses ReduceSum with axes as an input
-        raise LoweringError(f"MX lowering needs opset >= 13, the graph has {base.version}")
+    base = int(props[BASE_OPSET_KEY])
+    if base < 13:  # the unpacking uses ReduceSum with axes as an input
+        raise LoweringError(f"MX lowering needs opset >= 13, the graph has {base}")
+    set_default_opset(model, base)
     if domain and not any(o.domain == domain for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(domain, 1))

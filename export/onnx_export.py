@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from common import graph_io
 from common.graph_io import ModelDims
 from common.onnx_store import matmul_weights, rewrite_graph, save_graph, shared_file
+from export.split_attention import attention_function
 from export.weights import (
     KEEP_WEIGHTS,
     TensorSource,
@@ -36,6 +37,7 @@ from export.weights import (
     write_weights,
 )
 from export.wrapper import ExplicitKVWrapper
+from kernels import DOMAIN
 
 OPSET = 18
 WEIGHTS_FILE = "weights.bin"
@@ -144,12 +146,15 @@ def trace_structure(
                 input_names=io_names,
                 output_names=graph_io.output_names(dims),
                 opset_version=OPSET,
+                custom_opsets={DOMAIN: 1},
                 dynamo=False,
                 do_constant_folding=True,
                 export_params=False,
                 keep_initializers_as_inputs=True,  # no deduplication by value: it would merge the placeholders
             )
         graph = onnx.load(str(path))
+    if any(n.domain == DOMAIN for n in graph.graph.node):
+        graph.functions.append(attention_function(OPSET))
     refs = _weight_refs(graph.graph, model, len(io_names))
     rename = {inp.name: ref.name for inp, ref in zip(graph.graph.input[len(io_names):], refs, strict=True)}
     del graph.graph.input[len(io_names):]

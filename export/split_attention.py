@@ -7,6 +7,11 @@ values, and attention runs over the two blocks separately: scores against the pa
 new tokens, one softmax over their concatenation (only [T, C + T] scores), and two weighted sums.
 The mask is the graph's general [B, 1, T, C + T] mask, added unchanged.
 
+Each layer's attention is traced as one node, `ai.mxspd::Attention`, whose meaning is a model-local
+ONNX function (`attention_function`, the same math in standard ops), so an exported graph runs on
+any ONNX Runtime; the compiler either keeps the node for mxspd's batch-invariant kernel
+(kernels/attention.cc) or inlines the function.
+
 Llama, Mistral, Qwen2 and CodeGen (transformers >= 5.24) reach this through transformers'
 AttentionInterface (selected while tracing). CodeGen before 5.24 calls its own `_attn` method, which
 is replaced on the instance while tracing.
@@ -19,10 +24,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import onnx
 import torch
+from onnx import helper
 from transformers import AttentionInterface, Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.models.codegen.modeling_codegen import CodeGenAttention
+
+from kernels import ATTENTION, DOMAIN
 
 ATTN_IMPLEMENTATION = "mxspd_split"
 CACHE_KWARG = "split_kv_cache"  # the model forwards unknown kwargs down to the attention function
@@ -55,6 +64,73 @@ def attend(
     grouped = probs.reshape(b, hkv, (hq // hkv) * t, c + t)
     out = grouped[..., :c] @ past_value + grouped[..., c:] @ new_value
     return out.reshape(b, hq, t, d), probs
+
+
+class _AttentionNode(torch.autograd.Function):
+    """`attend`'s output, traced as the single node ai.mxspd::Attention (see attention_function)."""
+
+    @staticmethod
+    def forward(ctx, query, past_key, past_value, new_key, new_value, mask, scaling):  # noqa: ANN001, ANN205
+        return attend(query, past_key, past_value, new_key, new_value, mask, scaling)[0]
+
+    @staticmethod
+    def symbolic(g, query, past_key, past_value, new_key, new_value, mask, scaling):  # noqa: ANN001, ANN205
+        out = g.op(f"{DOMAIN}::{ATTENTION}", query, past_key, past_value, new_key, new_value, mask, scale_f=scaling)
+        out.setType(query.type())
+        return out
+
+
+def attend_node(query: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, new_key: torch.Tensor,
+                new_value: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, None]:
+    """`attend` as one graph node; no probabilities (nothing reads them while exporting)."""
+    if mask is None:
+        b, t, c = query.shape[0], query.shape[2], past_key.shape[2]
+        mask = torch.zeros(b, 1, t, c + t, dtype=query.dtype)
+    return _AttentionNode.apply(query, past_key, past_value, new_key, new_value, mask, float(scaling)), None
+
+
+def attention_function(opset: int) -> onnx.FunctionProto:
+    """ai.mxspd::Attention in standard ONNX ops: `attend` step by step, shapes read from the inputs."""
+    def const(name: str, values: list[int]) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name], value_ints=values)
+
+    scale = helper.make_node("Constant", [], ["scale"])
+    scale.attribute.append(onnx.AttributeProto(name="value_float", ref_attr_name="scale",
+                                               type=onnx.AttributeProto.FLOAT))
+    nodes = [
+        scale, const("i0", [0]), const("i1", [1]), const("i2", [2]), const("i3", [3]), const("i4", [4]),
+        const("minus1", [-1]), const("end", [2**62]),
+        helper.make_node("Shape", ["query"], ["qs"]),
+        helper.make_node("Shape", ["past_key"], ["ks"]),
+        helper.make_node("Slice", ["qs", "i0", "i1"], ["b"]),
+        helper.make_node("Slice", ["ks", "i1", "i2"], ["hkv"]),
+        helper.make_node("Slice", ["ks", "i2", "i3"], ["c"]),
+        helper.make_node("Slice", ["qs", "i3", "i4"], ["d"]),
+        helper.make_node("Slice", ["qs", "i0", "i3"], ["bht"]),
+        helper.make_node("Concat", ["b", "hkv", "minus1", "d"], ["grouped"], axis=0),
+        helper.make_node("Concat", ["bht", "minus1"], ["by_head"], axis=0),
+        helper.make_node("Reshape", ["query", "grouped"], ["qg"]),  # query head h uses KV head h // (Hq // Hkv)
+        helper.make_node("Transpose", ["past_key"], ["pkt"], perm=[0, 1, 3, 2]),
+        helper.make_node("Transpose", ["new_key"], ["nkt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["qg", "pkt"], ["s_past"]),
+        helper.make_node("MatMul", ["qg", "nkt"], ["s_new"]),
+        helper.make_node("Concat", ["s_past", "s_new"], ["s_cat"], axis=-1),
+        helper.make_node("Mul", ["s_cat", "scale"], ["s_scaled"]),
+        helper.make_node("Reshape", ["s_scaled", "by_head"], ["s_heads"]),
+        helper.make_node("Add", ["s_heads", "mask"], ["s_masked"]),
+        helper.make_node("Softmax", ["s_masked"], ["probs"], axis=-1),
+        helper.make_node("Shape", ["s_cat"], ["gs"]),
+        helper.make_node("Reshape", ["probs", "gs"], ["pg"]),
+        helper.make_node("Slice", ["pg", "i0", "c", "i3"], ["p_past"]),
+        helper.make_node("Slice", ["pg", "c", "end", "i3"], ["p_new"]),
+        helper.make_node("MatMul", ["p_past", "past_value"], ["o_past"]),
+        helper.make_node("MatMul", ["p_new", "new_value"], ["o_new"]),
+        helper.make_node("Add", ["o_past", "o_new"], ["o"]),
+        helper.make_node("Reshape", ["o", "qs"], ["out"]),
+    ]
+    return helper.make_function(
+        DOMAIN, ATTENTION, ["query", "past_key", "past_value", "new_key", "new_value", "mask"], ["out"], nodes,
+        [helper.make_opsetid("", opset)], attributes=["scale"])
 
 
 class _SplitLayer(DynamicLayer):
@@ -113,7 +189,7 @@ def _hf_attention(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or dropout:
         raise NotImplementedError("split attention supports neither softcapping, attention sinks nor dropout")
     past_key, past_value = kwargs[CACHE_KWARG].past(module.layer_idx)
-    out, probs = attend(query, past_key, past_value, key, value, attention_mask, scaling)
+    out, probs = attend_node(query, past_key, past_value, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), probs
 
 
@@ -126,7 +202,7 @@ def _codegen_attn(module: torch.nn.Module, cache: SplitCache, query: torch.Tenso
     """CodeGenAttention._attn (transformers < 5.24) with `key`/`value` new only. It adds the mask
     before dividing by sqrt(D); adding it after scaling differs only in already-masked scores."""
     past_key, past_value = cache.past(module.layer_idx)
-    return attend(query, past_key, past_value, key, value, attention_mask, 1.0 / module.scale_attn)
+    return attend_node(query, past_key, past_value, key, value, attention_mask, 1.0 / module.scale_attn)
 
 
 @contextmanager

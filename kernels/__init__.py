@@ -1,5 +1,9 @@
-"""mxspd's native ONNX Runtime ops (kernels/mx_ort_ops.cc), built by `pip install` where a C++
-compiler is found: `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight.
+"""mxspd's native ONNX Runtime ops (kernels/*.cc), built by `pip install` where a C++ compiler is found:
+
+- `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight;
+- `ai.mxspd::RowMatMul` (float32 weights) and `ai.mxspd::Attention` compute every row with the same
+  arithmetic whatever else shares its call, so a compiled artifact is batch-invariant (a token's
+  logits do not depend on the graph, the call's rows, or whether a key is cached or new).
 
 Used by the compiler (to build and time graphs) and the runtime (to run them); neither needs torch.
 """
@@ -11,6 +15,8 @@ from pathlib import Path
 
 DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
+ROW_MATMUL = "RowMatMul"
+ATTENTION = "Attention"
 LIBRARY_STEM = "_mxspd_ort"
 NATIVE_LOWERINGS = ("native", "native8")  # the MX lowerings (common.recipe.MX_LOWERINGS) that run these ops
 

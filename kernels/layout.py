@@ -1,4 +1,6 @@
-"""The weight layout ai.mxspd::MXMatMul reads (kernels/mx_ort_ops.cc): MXFP6 codes at 6 bits each.
+"""The weight layouts mxspd's ops read (kernels/*.cc).
+
+ai.mxspd::MXMatMul (mx_matmul.cc): MXFP6 codes at 6 bits each.
 
 Per output column and block of 32 codes c[0..31], 24 bytes: 16 bytes of low nibbles
 (c[j] & 15 | (c[j + 16] & 15) << 4), then 8 bytes of bit pairs: byte j holds the pairs of c[j],
@@ -13,6 +15,16 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK, BLOCK_BYTES = 32, 24
+PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
+
+
+def pack_panels(weight: np.ndarray) -> np.ndarray:
+    """float32 [K, N] -> [ceil(N/64), K, 64], zero-padded: each panel one contiguous read per call."""
+    k, n = weight.shape
+    panels = -(-n // PANEL)
+    out = np.zeros((k, panels * PANEL), dtype=np.float32)
+    out[:, :n] = weight
+    return np.ascontiguousarray(out.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
 def pack_columns(codes: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
-from common.onnx_store import matmul_weights, rewrite_graph
+from common.onnx_store import default_opset, matmul_weights, rewrite_graph, set_default_opset
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
@@ -123,10 +123,9 @@ class MXPass:
                 for n in names if n in self.quantized]
 
     def finish(self, model: onnx.ModelProto) -> None:
-        base = next(o for o in model.opset_import if o.domain in ("", "ai.onnx"))
         helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                       BASE_OPSET_KEY: str(base.version)})
-        base.version = MX_OPSET
+                                       BASE_OPSET_KEY: str(default_opset(model))})
+        set_default_opset(model, MX_OPSET)
 
     def summary(self) -> QuantSummary:
         return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, len(self.quantized),

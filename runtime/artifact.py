@@ -106,7 +106,7 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     manifest = read_manifest(path, verify=verify)
     check_target(manifest.target)
     check_prepacked(manifest.prepacked_for)
-    if any(e.quant.get("lowering") in NATIVE_LOWERINGS for e in manifest.models.values()):
+    if any(e.quant.get("lowering") in NATIVE_LOWERINGS or e.batch_invariant for e in manifest.models.values()):
         require_library()  # a clear error now, rather than ONNX Runtime's unknown op at the first graph
     check_memory(memory_needed(path, manifest), f"artifact {path}",
                  "half of each weights file, the form a decode step reads, plus the KV caches and buffers")

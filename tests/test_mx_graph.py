@@ -234,8 +234,8 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
 
 
 def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, tmp_path):
-    """dtype = "float16": weight values float16-rounded (folded to float32 at build time, where the
-    CPU kernels' prepacked layouts are made), arithmetic float32."""
+    """dtype = "float16": weight values float16-rounded (folded to float32 at build time, where
+    RowMatMul's panels are made), arithmetic float32."""
     from transformers import AutoModelForCausalLM
 
     ck = checkpoints["llama-gqa"]
@@ -244,7 +244,7 @@ def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, 
     art = load_artifact(art_dir)
     assert art.manifest.models["tlm"].dtype == "float16"
     decode = onnx.load(str(art_dir / "tlm" / "decode.onnx"), load_external_data=True)
-    mats = [onnx.numpy_helper.to_array(t) for t in decode.graph.initializer if t.name.endswith("proj.weight.T")]
+    mats = [onnx.numpy_helper.to_array(t) for t in decode.graph.initializer if t.name.endswith("proj.weight.T.panels")]
     assert len(mats) == 14 and all(np.array_equal(m, m.astype(np.float16).astype(np.float32)) for m in mats)
     ours = prompt_logits(art_dir, TOKENS)
     model = AutoModelForCausalLM.from_pretrained(ck, attn_implementation="eager").eval()

@@ -1,4 +1,4 @@
-"""mxspd's native MX kernel (kernels/mx_ort_ops.cc, ai.mxspd::MXMatMul): its values against a numpy
+"""mxspd's native MX kernel (kernels/mx_matmul.cc, ai.mxspd::MXMatMul): its values against a numpy
 model of the documented arithmetic, batch invariance, both code paths, the lowering that emits it
 and the fallback without it."""
 

@@ -1,4 +1,9 @@
-"""Build-time prepacked weights: one deduplicated copy per model, mapped by every graph's session."""
+"""Build-time prepacked weights: one deduplicated copy per model, mapped by every graph's session.
+
+ONNX Runtime's prepacking serves the kernels it runs itself: every float32 MatMul when an artifact is
+built with `batch_invariant = false`, MatMulNBits always. Batch-invariant artifacts run float32
+weights through ai.mxspd::RowMatMul, whose panels are packed by the compiler into the weights file.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,13 @@ def _prepacked_entries(path: Path) -> dict[str, tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
+def plain_dir(checkpoints, tmp_path_factory):
+    """float32, not batch-invariant: every weight runs through ONNX Runtime's MatMul."""
+    return build_artifact(replace(tiny_recipe(), batch_invariant=False), tmp_path_factory.mktemp("plain") / "art",
+                          tlm=str(checkpoints["llama-gqa"]), dlm=str(checkpoints["draft"]), progress=False)
+
+
+@pytest.fixture(scope="module")
 def mx_fused_dir(checkpoints, tmp_path_factory):
     recipe = replace(tiny_recipe(), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))
     return build_artifact(recipe, tmp_path_factory.mktemp("mx") / "art", tlm=str(checkpoints["llama-gqa"]),
@@ -45,25 +57,27 @@ def mx_fused_dir(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["fp32", "mx-fused"])
-def test_every_graph_maps_the_same_prepacked_blobs(artifact_dir, mx_fused_dir, which):
-    art_dir = artifact_dir if which == "fp32" else mx_fused_dir
+def test_every_graph_maps_the_same_prepacked_blobs(plain_dir, mx_fused_dir, which):
+    art_dir = plain_dir if which == "fp32" else mx_fused_dir
     manifest = runtime.load_artifact(art_dir).manifest
     assert manifest.prepacked_for == platform_signature()
     for role, entry in manifest.models.items():
         graphs = {g: _prepacked_entries(art_dir / e.file) for g, e in entry.graphs.items()}
         first = next(iter(graphs.values()))
         n_matmuls = 7 * entry.dims.n_layers + 1  # q k v o gate up down per layer, and the LM head
+        if entry.batch_invariant:  # float32 weights (here the LM head, and the DLM's) are RowMatMul panels
+            n_matmuls = n_matmuls - 1 if entry.quant else 0
         assert len(first) == n_matmuls, f"{role}: {len(first)} prepacked weights, expected {n_matmuls}"
         assert all(g == first for g in graphs.values()), "graphs point at different copies"
         for location, value in first.values():
             offset = int(value.split("|")[1].split(";")[0])
             assert location == "weights.bin" and offset % 4096 == 0  # ORT maps only aligned blobs
         if which == "mx-fused" and role == "tlm":
-            assert sum(v.startswith("MatMulNBits+") for _, v in first.values()) == n_matmuls - 1
+            assert sum(v.startswith("MatMulNBits+") for _, v in first.values()) == n_matmuls
 
 
-def test_mapped_and_heap_prepacked_give_the_same_tokens(artifact_dir, mx_fused_dir, tmp_path):
-    for art_dir in (artifact_dir, mx_fused_dir):
+def test_mapped_and_heap_prepacked_give_the_same_tokens(plain_dir, mx_fused_dir, tmp_path):
+    for art_dir in (plain_dir, mx_fused_dir):
         mapped = runtime.load_artifact(art_dir)
         heap = runtime.load_artifact(heap_prepacked_copy(art_dir, tmp_path / art_dir.parent.name), verify=False)
         for prompt in ([0, 40, 41], list(range(4, 30))):
@@ -95,8 +109,9 @@ def mid_artifact(tmp_path_factory):
     AutoModelForCausalLM.from_config(config).save_pretrained(ck)
     byte_tokenizer().save_pretrained(ck)
     # the five graphs this bound was set for: no extra score graphs for prompt lookup, no lookahead graph
+    # and ONNX Runtime's own MatMul, whose prepacked copies this measures
     recipe = replace(tiny_recipe(), dlm=None, prompt_lookup=PromptLookupSettings(max_draft=3),
-                     lookahead=LookaheadSettings(ngram=2, window=1, guesses=1))
+                     lookahead=LookaheadSettings(ngram=2, window=1, guesses=1), batch_invariant=False)
     return build_artifact(recipe, ck.parent / "art", tlm=str(ck), progress=False)
 
 

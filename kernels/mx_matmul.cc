@@ -14,140 +14,16 @@
 // j, the top two bits of c[j], c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. S uint8 [N, K/32]:
 // E8M0 exponents. K is padded to whole blocks with code 0.
 //
-// ONNX Runtime ships no C headers in its wheel. Its C API is a table of function pointers whose order
-// only ever grows (OrtGetApiBase()->GetApi(version)); the few entries used here are declared below by
-// their documented index, as ONNX Runtime's own C# binding declares its table.
-
-#include <climits>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <type_traits>
 #include <algorithm>
-#include <mutex>
+#include <cmath>
+#include <cstring>
 #include <new>
-#include <vector>
+#include <type_traits>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MXSPD_X86 1
-#endif
+#include "ort_api.h"
 
-#define MXSPD_EXPORT extern "C" __attribute__((visibility("default")))
-
+namespace mxspd {
 namespace {
-
-// ---- the part of ONNX Runtime's C API used here -------------------------------------------------------
-
-struct OrtStatus;
-struct OrtKernelInfo;
-struct OrtKernelContext;
-struct OrtValue;
-struct OrtShapeInfo;
-struct OrtCustomOpDomain;
-struct OrtSessionOptions;
-
-constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor arrived in 1.17
-constexpr int kOrtFail = 1;          // OrtErrorCode
-constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
-
-struct OrtApiBase {
-  const void* const* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-// Index of each function in the OrtApi table.
-enum ApiIndex : int {
-  kCreateStatus = 0,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelInfoGetAttributeInt64 = 86,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
-  kReleaseTensorTypeAndShapeInfo = 99,
-  kKernelContextParallelFor = 274,
-};
-
-struct Api {
-  const void* const* table = nullptr;
-  template <typename F>
-  F fn(ApiIndex i) const { return reinterpret_cast<F>(const_cast<void*>(table[i])); }
-
-  OrtStatus* error(const char* msg) const {
-    return fn<OrtStatus* (*)(int, const char*)>(kCreateStatus)(kOrtFail, msg);
-  }
-  OrtStatus* attribute(const OrtKernelInfo* info, const char* name, int64_t* out) const {
-    return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
-                                                                                                            out);
-  }
-  OrtStatus* input(const OrtKernelContext* ctx, size_t i, const OrtValue** out) const {
-    return fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, out);
-  }
-  OrtStatus* output(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t n, OrtValue** out) const {
-    return fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-        ctx, i, dims, n, out);
-  }
-  OrtStatus* data(const OrtValue* v, void** out) const {
-    return fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), out);
-  }
-  OrtStatus* shape(const OrtValue* v, std::vector<int64_t>* dims) const {
-    OrtShapeInfo* info = nullptr;
-    OrtStatus* s = fn<OrtStatus* (*)(const OrtValue*, OrtShapeInfo**)>(kGetTensorTypeAndShape)(v, &info);
-    if (s) return s;
-    size_t n = 0;
-    s = fn<OrtStatus* (*)(const OrtShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
-    if (!s) {
-      dims->assign(n, 0);
-      s = fn<OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims->data(), n);
-    }
-    fn<void (*)(OrtShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
-    return s;
-  }
-  void release(OrtStatus* s) const { fn<void (*)(OrtStatus*)>(kReleaseStatus)(s); }
-  OrtStatus* parallel_for(const OrtKernelContext* ctx, void (*f)(void*, size_t), size_t total, void* user) const {
-    return fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-        kKernelContextParallelFor)(ctx, f, total, 2, user);
-  }
-};
-
-Api g_api;
-
-// OrtCustomOp, field for field (ONNX Runtime reads the fields that exist at `version`).
-struct OrtCustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const OrtCustomOp*, const void*, const OrtKernelInfo*);
-  const char* (*GetName)(const OrtCustomOp*);
-  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
-  int (*GetInputType)(const OrtCustomOp*, size_t);
-  size_t (*GetInputTypeCount)(const OrtCustomOp*);
-  int (*GetOutputType)(const OrtCustomOp*, size_t);
-  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
-  void (*KernelCompute)(void*, OrtKernelContext*);
-  void (*KernelDestroy)(void*);
-  int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
-  int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
-  int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
-  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
-  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
-  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
-  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
-  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**);
-  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-  OrtStatus* (*InferOutputShapeFn)(const OrtCustomOp*, void*);
-  int (*GetStartVersion)(const OrtCustomOp*);
-  int (*GetEndVersion)(const OrtCustomOp*);
-  size_t (*GetMayInplace)(int**, int**);
-  void (*ReleaseMayInplace)(int*, int*);
-  size_t (*GetAliasMap)(int**, int**);
-  void (*ReleaseAliasMap)(int*, int*);
-};
 
 // ---- MXFP6 E2M3 -----------------------------------------------------------------------------------
 
@@ -214,12 +90,6 @@ struct Problem {
 
 constexpr int64_t kTileColumns = 8;
 constexpr int kRowGroup = 4;
-
-// 8 lanes accumulated per row, then summed in this order (the vector path's order too).
-inline float lane_sum(const float* a) {
-  const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
-  return (t0 + t2) + (t1 + t3);
-}
 
 // Which 4 of a block's 32 products make lane l's integer sum, as the vector path groups them:
 // int16 (madd of each 16-code half): 2l, 2l+1, 16+2l, 17+2l; int8 (maddubs, then madd): 4l..4l+3.
@@ -308,11 +178,6 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<Bits>& p, int
   }
 }
 
-bool has_avx2() {
-  __builtin_cpu_init();  // this may run before libgcc's own constructor has filled the CPU model in
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");  // the env var: tests, both paths
 #endif
 
 template <int Bits>
@@ -395,47 +260,14 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
                                      : run<16>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb);
 }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  op.version = kApiVersion;
-  op.GetName = [](const OrtCustomOp*) { return "MXMatMul"; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.GetInputType = [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kUint8; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };   // required
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };  // required
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };       // default (CPU)
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
-  return op;
-}
-
-const OrtCustomOp kMXMatMul = make_op();
-
 }  // namespace
 
-// Called by ONNX Runtime's SessionOptions.register_custom_ops_library(path).
-MXSPD_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  static std::once_flag once;
-  static OrtCustomOpDomain* domain = nullptr;
-  static OrtStatus* failed = nullptr;
-  std::call_once(once, [&] {
-    g_api.table = base->GetApi(kApiVersion);
-    if (!g_api.table) return;
-    failed = g_api.fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.mxspd", &domain);
-    if (!failed)
-      failed = g_api.fn<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, &kMXMatMul);
-  });
-  if (!g_api.table) return nullptr;  // cannot even report: ONNX Runtime older than 1.17
-  if (failed) return g_api.error("mxspd kernels: registering the ai.mxspd domain failed");
-  return g_api.fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+const OrtCustomOp* mx_matmul_op() {
+  static const OrtCustomOp op = make_op(
+      [](const OrtCustomOp*) { return "MXMatMul"; }, [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kUint8; },
+      [](const OrtCustomOp*) -> size_t { return 3; }, create_kernel, compute,
+      [](void* k) { delete static_cast<Kernel*>(k); });
+  return &op;
 }
+
+}  // namespace mxspd

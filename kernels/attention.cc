@@ -1,0 +1,191 @@
+// ai.mxspd::Attention: softmax(q k^T * scale + mask) v for one layer, over the KV cache and the call's new
+// tokens, with a result that does not depend on where a key sits or what else shares the call.
+//
+// Inputs: query [B, Hq, T, D]; past_key, past_value [B, Hkv, C, D]; new_key, new_value [B, Hkv, T, D];
+// mask float32 [B, 1 or Hq, T, C + T], added to the scores (transformers' form: 0 where visible, the
+// float minimum where not; entries at or below -1e30 are skipped). Attribute `scale`. Output [B, Hq, T, D].
+// Query head h reads KV head h / (Hq / Hkv).
+//
+// Why: a token's key may be a cache slot in one call (autoregressive decoding) and a new row in another
+// (its speculation round), and ONNX Runtime's matmuls and softmax sum in an order that follows storage
+// and call shape. Here every score is one fixed-order dot product, and the two sums over keys (the
+// softmax denominator and the weighted values) are exact: each term is rounded once to a fixed-point
+// integer (2^-40 of the row's largest term) and the integers are added, so the order of keys cannot
+// matter. The same set of visible keys therefore gives the same bits, wherever they are stored.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "ort_api.h"
+
+namespace mxspd {
+namespace {
+
+constexpr float kHidden = -1e30f;           // mask values at or below: the key is not attended
+constexpr int kFraction = 40;               // fixed-point terms: |term| < 2^40
+constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
+constexpr int64_t kMagicBits = 0x4338000000000000;
+
+// round-to-nearest-even(x) for |x| < 2^51, by adding kMagic (also what the vector path does, 4 at a time).
+inline int64_t fixed(double x) {
+  const double t = x + kMagic;
+  int64_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  return bits - kMagicBits;
+}
+
+struct Problem {
+  const float *q, *past_key, *past_value, *new_key, *new_value, *mask;
+  float* y;
+  int64_t b, hq, hkv, t, c, d, mask_heads;
+  float scale;
+
+  const float* key(int64_t batch, int64_t head, int64_t j) const {
+    return j < c ? past_key + ((batch * hkv + head) * c + j) * d : new_key + ((batch * hkv + head) * t + j - c) * d;
+  }
+  const float* value(int64_t batch, int64_t head, int64_t j) const {
+    return j < c ? past_value + ((batch * hkv + head) * c + j) * d
+                 : new_value + ((batch * hkv + head) * t + j - c) * d;
+  }
+};
+
+// Lane l accumulates elements i = l mod 8 by fma, then lane_sum: the vector path's order.
+float dot_scalar(const float* x, const float* y, int64_t d) {
+  float lanes[8] = {};
+  for (int64_t i = 0; i < d; ++i) lanes[i % 8] = std::fma(x[i], y[i], lanes[i % 8]);
+  return lane_sum(lanes);
+}
+
+// acc[i] += fixed(factor * v[i]); factor * v[i] is exact in double (24-bit by 24-bit mantissas).
+void accumulate_scalar(int64_t* acc, const float* v, double factor, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) acc[i] += fixed(factor * static_cast<double>(v[i]));
+}
+
+#ifdef MXSPD_X86
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* y, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (; i < d; ++i) lanes[i % 8] = std::fma(x[i], y[i], lanes[i % 8]);
+  return lane_sum(lanes);
+}
+
+__attribute__((target("avx2,fma"))) void accumulate_avx2(int64_t* acc, const float* v, double factor, int64_t d) {
+  const __m256d f = _mm256_set1_pd(factor), magic = _mm256_set1_pd(kMagic);
+  const __m256i magic_bits = _mm256_set1_epi64x(kMagicBits);
+  int64_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+    const __m256d t = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(v + i)), f), magic);
+    __m256i* a = reinterpret_cast<__m256i*>(acc + i);
+    _mm256_storeu_si256(a, _mm256_add_epi64(_mm256_loadu_si256(a), _mm256_sub_epi64(_mm256_castpd_si256(t), magic_bits)));
+  }
+  accumulate_scalar(acc + i, v + i, factor, d - i);
+}
+#endif
+
+float dot(const float* x, const float* y, int64_t d) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return dot_avx2(x, y, d);
+#endif
+  return dot_scalar(x, y, d);
+}
+
+void accumulate(int64_t* acc, const float* v, double factor, int64_t d) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return accumulate_avx2(acc, v, factor, d);
+#endif
+  accumulate_scalar(acc, v, factor, d);
+}
+
+// One (batch, query head, row): its output vector.
+void row(void* user, size_t index) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  const int64_t tt = static_cast<int64_t>(index) % p.t, h = static_cast<int64_t>(index) / p.t % p.hq;
+  const int64_t bb = static_cast<int64_t>(index) / (p.t * p.hq), kv = h / (p.hq / p.hkv), keys = p.c + p.t;
+  const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
+  const float* mask = p.mask + ((bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h)) * p.t + tt) * keys;
+  float* y = p.y + ((bb * p.hq + h) * p.t + tt) * p.d;
+  thread_local std::vector<int64_t> visible, num;
+  thread_local std::vector<float> score;
+  visible.clear();
+  score.clear();
+  float top = -std::numeric_limits<float>::infinity(), largest = 0.0f;
+  for (int64_t j = 0; j < keys; ++j) {
+    if (!(mask[j] > kHidden)) continue;
+    visible.push_back(j);
+    score.push_back(dot(q, p.key(bb, kv, j), p.d) * p.scale + mask[j]);
+    top = std::max(top, score.back());
+    const float* v = p.value(bb, kv, j);
+    for (int64_t i = 0; i < p.d; ++i) largest = std::max(largest, std::fabs(v[i]));  // NaN: ignored here...
+  }
+  bool finite = std::isfinite(top);
+  for (float s : score) finite = finite && !std::isnan(s);
+  for (int64_t j : visible) {  // ... and caught here
+    const float* v = p.value(bb, kv, j);
+    for (int64_t i = 0; i < p.d; ++i) finite = finite && std::isfinite(v[i]);
+  }
+  if (visible.empty() || largest == 0.0f || !finite) {
+    std::fill(y, y + p.d, visible.empty() || finite ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  int e = 0;
+  std::frexp(largest, &e);  // every |value| < 2^e
+  num.assign(p.d, 0);
+  int64_t den = 0;
+  for (size_t n = 0; n < visible.size(); ++n) {
+    const double prob = std::exp(score[n] - top);  // float exp, widened: (0, 1]
+    den += fixed(std::ldexp(prob, kFraction));
+    accumulate(num.data(), p.value(bb, kv, visible[n]), std::ldexp(prob, kFraction - e), p.d);
+  }
+  for (int64_t i = 0; i < p.d; ++i)
+    y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), e));
+}
+
+struct Kernel {
+  float scale;
+};
+
+OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  float scale = 0.0f;
+  if (OrtStatus* s = g_api.attribute(info, "scale", &scale)) return s;
+  *out = new (std::nothrow) Kernel{scale};
+  return *out ? nullptr : g_api.error("Attention: out of memory");
+}
+
+OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
+  const float* in[6] = {};
+  std::vector<int64_t> dims[6];
+  for (size_t i = 0; i < 6; ++i)
+    if (OrtStatus* s = g_api.tensor(ctx, i, &in[i], &dims[i])) return s;
+  const auto& qd = dims[0];
+  if (qd.size() != 4 || dims[1].size() != 4 || dims[3].size() != 4 || dims[5].size() != 4)
+    return g_api.error("Attention: query, keys, values and mask must be 4-D");
+  const int64_t b = qd[0], hq = qd[1], t = qd[2], d = qd[3], hkv = dims[1][1], c = dims[1][2];
+  const std::vector<int64_t> past{b, hkv, c, d}, fresh{b, hkv, t, d};
+  if (hkv <= 0 || hq % hkv != 0 || dims[1] != past || dims[2] != past || dims[3] != fresh || dims[4] != fresh ||
+      dims[5][0] != b || (dims[5][1] != 1 && dims[5][1] != hq) || dims[5][2] != t || dims[5][3] != c + t)
+    return g_api.error("Attention: shapes must be query [B,Hq,T,D], past [B,Hkv,C,D], new [B,Hkv,T,D], "
+                       "mask [B,1|Hq,T,C+T], with Hq a multiple of Hkv");
+  float* y = nullptr;
+  if (OrtStatus* s = g_api.output_data(ctx, 0, qd, &y)) return s;
+  if (b * hq * t * d == 0) return nullptr;
+  Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1],
+            static_cast<Kernel*>(op_kernel)->scale};
+  return g_api.parallel_for(ctx, row, static_cast<size_t>(b * hq * t), &p);
+}
+
+}  // namespace
+
+const OrtCustomOp* attention_op() {
+  static const OrtCustomOp op = make_op(
+      [](const OrtCustomOp*) { return "Attention"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
+      [](const OrtCustomOp*) -> size_t { return 6; }, create_kernel, compute,
+      [](void* k) { delete static_cast<Kernel*>(k); });
+  return &op;
+}
+
+}  // namespace mxspd

@@ -1,0 +1,205 @@
+// What every mxspd op needs from ONNX Runtime, and the CPU dispatch they share.
+//
+// ONNX Runtime ships no C headers in its wheel. Its C API is a table of function pointers whose order
+// only ever grows (OrtGetApiBase()->GetApi(version)); the few entries used here are declared below by
+// their documented index, as ONNX Runtime's own C# binding declares its table.
+
+#pragma once
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MXSPD_X86 1
+#endif
+
+namespace mxspd {
+
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtShapeInfo;
+struct OrtCustomOpDomain;
+struct OrtSessionOptions;
+
+constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor arrived in 1.17
+constexpr int kOrtFail = 1;          // OrtErrorCode
+constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
+
+struct OrtApiBase {
+  const void* const* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+// Index of each function in the OrtApi table.
+enum ApiIndex : int {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
+  kKernelInfoGetAttributeInt64 = 86,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextParallelFor = 274,
+};
+
+struct Api {
+  const void* const* table = nullptr;
+  template <typename F>
+  F fn(ApiIndex i) const { return reinterpret_cast<F>(const_cast<void*>(table[i])); }
+
+  OrtStatus* error(const char* msg) const {
+    return fn<OrtStatus* (*)(int, const char*)>(kCreateStatus)(kOrtFail, msg);
+  }
+  OrtStatus* attribute(const OrtKernelInfo* info, const char* name, int64_t* out) const {
+    return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
+                                                                                                            out);
+  }
+  OrtStatus* attribute(const OrtKernelInfo* info, const char* name, float* out) const {
+    return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name,
+                                                                                                          out);
+  }
+  OrtStatus* input(const OrtKernelContext* ctx, size_t i, const OrtValue** out) const {
+    return fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, out);
+  }
+  OrtStatus* output(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t n, OrtValue** out) const {
+    return fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+        ctx, i, dims, n, out);
+  }
+  OrtStatus* data(const OrtValue* v, void** out) const {
+    return fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), out);
+  }
+  OrtStatus* shape(const OrtValue* v, std::vector<int64_t>* dims) const {
+    OrtShapeInfo* info = nullptr;
+    OrtStatus* s = fn<OrtStatus* (*)(const OrtValue*, OrtShapeInfo**)>(kGetTensorTypeAndShape)(v, &info);
+    if (s) return s;
+    size_t n = 0;
+    s = fn<OrtStatus* (*)(const OrtShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+    if (!s) {
+      dims->assign(n, 0);
+      s = fn<OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims->data(), n);
+    }
+    fn<void (*)(OrtShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+    return s;
+  }
+  void release(OrtStatus* s) const { fn<void (*)(OrtStatus*)>(kReleaseStatus)(s); }
+  OrtStatus* parallel_for(const OrtKernelContext* ctx, void (*f)(void*, size_t), size_t total, void* user) const {
+    return fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+        kKernelContextParallelFor)(ctx, f, total, 2, user);
+  }
+
+  // Input i's data and shape.
+  template <typename T>
+  OrtStatus* tensor(const OrtKernelContext* ctx, size_t i, const T** out, std::vector<int64_t>* dims) const {
+    const OrtValue* v = nullptr;
+    void* p = nullptr;
+    if (OrtStatus* s = input(ctx, i, &v)) return s;
+    if (OrtStatus* s = shape(v, dims)) return s;
+    if (OrtStatus* s = data(v, &p)) return s;
+    *out = static_cast<const T*>(p);
+    return nullptr;
+  }
+  // Output i, allocated with `dims`.
+  OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, float** out) const {
+    OrtValue* v = nullptr;
+    void* p = nullptr;
+    if (OrtStatus* s = output(ctx, i, dims.data(), dims.size(), &v)) return s;
+    if (OrtStatus* s = data(v, &p)) return s;
+    *out = static_cast<float*>(p);
+    return nullptr;
+  }
+};
+
+inline Api g_api;
+
+// OrtCustomOp, field for field (ONNX Runtime reads the fields that exist at `version`).
+struct OrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const OrtCustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const OrtCustomOp*);
+  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
+  int (*GetInputType)(const OrtCustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const OrtCustomOp*);
+  int (*GetOutputType)(const OrtCustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
+  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
+  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const OrtCustomOp*, void*);
+  int (*GetStartVersion)(const OrtCustomOp*);
+  int (*GetEndVersion)(const OrtCustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+// A CPU op with one float output; input i has type input_type(i).
+inline OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), int (*input_type)(const OrtCustomOp*, size_t),
+                           size_t (*inputs)(const OrtCustomOp*),
+                           OrtStatus* (*create)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**),
+                           OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+  OrtCustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = name;
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = inputs;
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = destroy;
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };       // default (CPU)
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
+  return op;
+}
+
+// 8 lanes summed in this fixed order, by the vector paths and their portable twins alike.
+inline float lane_sum(const float* a) {
+  const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+#ifdef MXSPD_X86
+inline bool has_avx2() {
+  __builtin_cpu_init();  // this may run before libgcc's own constructor has filled the CPU model in
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+// Every op's vector path, unless MXSPD_KERNELS_PORTABLE is set (tests run both paths).
+inline const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");
+#endif
+
+// The ops, one per source file.
+const OrtCustomOp* mx_matmul_op();
+const OrtCustomOp* row_matmul_op();
+const OrtCustomOp* attention_op();
+
+}  // namespace mxspd

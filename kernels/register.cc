@@ -1,0 +1,25 @@
+// The library's entry point: ONNX Runtime's SessionOptions.register_custom_ops_library(path) calls
+// RegisterCustomOps, which adds the ai.mxspd domain with every op of this library.
+
+#include <mutex>
+
+#include "ort_api.h"
+
+using namespace mxspd;
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* base) {
+  static std::once_flag once;
+  static OrtCustomOpDomain* domain = nullptr;
+  static OrtStatus* failed = nullptr;
+  std::call_once(once, [&] {
+    g_api.table = base->GetApi(kApiVersion);
+    if (!g_api.table) return;
+    failed = g_api.fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.mxspd", &domain);
+    for (const OrtCustomOp* op : {mx_matmul_op(), row_matmul_op(), attention_op()})
+      if (!failed) failed = g_api.fn<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, op);
+  });
+  if (!g_api.table) return nullptr;  // cannot even report: ONNX Runtime older than 1.17
+  if (failed) return g_api.error("mxspd kernels: registering the ai.mxspd domain failed");
+  return g_api.fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}

@@ -1,0 +1,128 @@
+// ai.mxspd::RowMatMul: Y = A @ B for float32 A [..., K] and a float32 weight B [K, N], where every output
+// element is one chain of fused multiply-adds in k order: y = fma(a[K-1], b[K-1], ... fma(a[0], b[0], 0)).
+// B comes packed in panels of 64 columns, P [ceil(N/64), K, 64] (zero-padded; kernels/layout.py), so a
+// panel is one contiguous read; attribute N.
+//
+// Why: ONNX Runtime's MatMul runs one row through another kernel path than several (on AVX2 machines),
+// so a token's logits changed with the number of rows sharing its call, and speculation stopped being
+// lossless. Here an element's arithmetic depends on its row and column only: not on the rows beside it,
+// the tiling, the thread count, or the CPU (the portable path gives the same bits: std::fma rounds once,
+// as the vector FMA does).
+
+#include <algorithm>
+#include <cmath>
+#include <new>
+
+#include "ort_api.h"
+
+namespace mxspd {
+namespace {
+
+constexpr int64_t kPanel = 64;
+
+struct Problem {
+  const float* a;  // [M, K]
+  const float* b;  // [ceil(N / 64), K, 64]
+  float* y;        // [M, N]
+  int64_t m, k, n;
+
+  const float* column(int64_t col) const { return b + (col / kPanel * k) * kPanel + col % kPanel; }
+};
+
+void element_scalar(const Problem& p, int64_t row, int64_t col) {
+  const float* b = p.column(col);
+  float acc = 0.0f;
+  for (int64_t k = 0; k < p.k; ++k) acc = std::fma(p.a[row * p.k + k], b[k * kPanel], acc);
+  p.y[row * p.n + col] = acc;
+}
+
+#ifdef MXSPD_X86
+// R rows by V * 8 columns, accumulators in registers; each element is the same fma chain as element_scalar.
+template <int R, int V>
+__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t row, int64_t col) {
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  const float* b = p.column(col);
+  for (int64_t k = 0; k < p.k; ++k, b += kPanel) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(p.a + (row + r) * p.k + k);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 8 * v), acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(p.y + (row + r) * p.n + col + 8 * v, acc[r][v]);
+}
+
+// Columns [c, end) in blocks of `width` (8 * V): a single row 64 wide, else rows in pairs.
+template <int V>
+__attribute__((target("avx2,fma"))) int64_t blocks_avx2(const Problem& p, int64_t c, int64_t end) {
+  for (; c + 8 * V <= end; c += 8 * V) {
+    int64_t row = 0;
+    for (; row + 2 <= p.m; row += 2) block_avx2<2, V>(p, row, c);
+    if (row < p.m) block_avx2<1, V>(p, row, c);
+  }
+  return c;
+}
+#endif
+
+void task(void* user, size_t index) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  int64_t c = static_cast<int64_t>(index) * kPanel;
+  const int64_t end = std::min(p.n, c + kPanel);
+#ifdef MXSPD_X86
+  if (kHasAvx2) {
+    if (p.m == 1 && c + 64 <= end) {  // decode: one row, 8 independent accumulators streaming B
+      block_avx2<1, 8>(p, 0, c);
+      c += 64;
+    }
+    c = blocks_avx2<1>(p, blocks_avx2<4>(p, c, end), end);
+  }
+#endif
+  for (; c < end; ++c)
+    for (int64_t row = 0; row < p.m; ++row) element_scalar(p, row, c);
+}
+
+struct Kernel {
+  int64_t n;
+};
+
+OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t n = 0;
+  if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
+  if (n <= 0) return g_api.error("RowMatMul: attribute N must be positive");
+  *out = new (std::nothrow) Kernel{n};
+  return *out ? nullptr : g_api.error("RowMatMul: out of memory");
+}
+
+OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
+  const int64_t n = static_cast<Kernel*>(op_kernel)->n;
+  const float *a = nullptr, *b = nullptr;
+  std::vector<int64_t> adims, bdims;
+  if (OrtStatus* s = g_api.tensor(ctx, 0, &a, &adims)) return s;
+  if (OrtStatus* s = g_api.tensor(ctx, 1, &b, &bdims)) return s;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (adims.empty() || bdims != std::vector<int64_t>{panels, adims.back(), kPanel})
+    return g_api.error("RowMatMul: B must be packed [ceil(N/64), K, 64], K the last dimension of A");
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
+  std::vector<int64_t> ydims = adims;
+  ydims.back() = n;
+  float* y = nullptr;
+  if (OrtStatus* s = g_api.output_data(ctx, 0, ydims, &y)) return s;
+  if (m == 0) return nullptr;
+  Problem p{a, b, y, m, adims.back(), n};
+  return g_api.parallel_for(ctx, task, static_cast<size_t>(panels), &p);
+}
+
+}  // namespace
+
+const OrtCustomOp* row_matmul_op() {
+  static const OrtCustomOp op = make_op(
+      [](const OrtCustomOp*) { return "RowMatMul"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
+      [](const OrtCustomOp*) -> size_t { return 2; }, create_kernel, compute,
+      [](void* k) { delete static_cast<Kernel*>(k); });
+  return &op;
+}
+
+}  // namespace mxspd

@@ -1,0 +1,147 @@
+"""mxspd's batch-invariant kernels (kernels/row_matmul.cc, kernels/attention.cc): values against float64,
+the invariance each promises (rows, threads, where a key is stored, what is masked), both code paths,
+errors; and ONNX Runtime's standard ops failing the same checks (the negative control)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kernels
+from export.split_attention import attention_function
+from kernels.layout import pack_panels
+from tests.test_native_kernel import session
+
+pytestmark = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
+MIN = float(np.finfo(np.float32).min)
+
+
+def row_matmul_model(w: np.ndarray, m: int | None, k: int | None = None) -> onnx.ModelProto:
+    k, n = k or w.shape[0], w.shape[1]
+    graph = helper.make_graph(
+        [helper.make_node(kernels.ROW_MATMUL, ["a", "w"], ["y"], domain=kernels.DOMAIN, N=n)], "rows",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(pack_panels(w), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
+
+
+@pytest.mark.parametrize("k,n", [(70, 200), (64, 64), (576, 130)])
+def test_row_matmul_values_and_row_invariance(k, n):
+    rng = np.random.default_rng(k)
+    w, a = rng.standard_normal((k, n)).astype(np.float32), rng.standard_normal((17, k)).astype(np.float32)
+    exact = a.astype(np.float64) @ w
+    full = {t: session(row_matmul_model(w, None), t).run(None, {"a": a})[0] for t in (1, 2)}
+    np.testing.assert_allclose(full[2], exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    assert np.array_equal(full[1], full[2])
+    for m in (1, 2, 3, 5):
+        assert np.array_equal(session(row_matmul_model(w, None)).run(None, {"a": a[:m]})[0], full[2][:m])
+    with pytest.raises(Exception, match="packed"):
+        session(row_matmul_model(w, None, k - 1)).run(None, {"a": a[:, :-1]})
+
+
+def attention_model(scale: float, standard: bool = False) -> onnx.ModelProto:
+    names = ["query", "past_key", "past_value", "new_key", "new_value", "mask"]
+    graph = helper.make_graph(
+        [helper.make_node(kernels.ATTENTION, names, ["y"], domain=kernels.DOMAIN, scale=scale)], "attention",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    if standard:  # the exporter's function, inlined: ONNX Runtime's MatMul and Softmax
+        model.functions.append(attention_function(18))
+        model = onnx.inliner.inline_local_functions(model)
+    return model
+
+
+def attention_inputs(rng, hq=4, hkv=2, t=3, c=10, d=16, visible=0.6):
+    q = rng.standard_normal((1, hq, t, d)).astype(np.float32)
+    kv = [rng.standard_normal((1, hkv, n, d)).astype(np.float32) for n in (c, c, t, t)]
+    seen = rng.random((1, 1, t, c + t)) < visible
+    seen[0, 0, np.arange(t), c + np.arange(t)] = True
+    return [q, *kv, np.where(seen, 0.0, MIN).astype(np.float32)]
+
+
+def reference(q, pk, pv, nk, nv, mask, scale):
+    """Attention in float64 over [past; new], grouped-query heads mapped as h // (Hq // Hkv)."""
+    group = q.shape[1] // pk.shape[1]
+    k = np.repeat(np.concatenate([pk, nk], 2), group, 1).astype(np.float64)
+    v = np.repeat(np.concatenate([pv, nv], 2), group, 1).astype(np.float64)
+    s = q.astype(np.float64) @ k.transpose(0, 1, 3, 2) * scale + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def run_attention(inputs, scale=0.25, standard=False):
+    names = ["query", "past_key", "past_value", "new_key", "new_value", "mask"]
+    return session(attention_model(scale, standard)).run(None, dict(zip(names, inputs, strict=True)))[0]
+
+
+def test_attention_values_against_float64():
+    rng = np.random.default_rng(0)
+    for shape in [dict(), dict(hq=6, hkv=3, d=20, t=1), dict(hq=2, hkv=2, c=40, t=5)]:
+        inputs = attention_inputs(rng, **shape)
+        np.testing.assert_allclose(run_attention(inputs), reference(*inputs, 0.25), rtol=0, atol=2e-6)
+
+
+def _moved(inputs, rng):
+    """The same visible keys for query row 0, stored elsewhere: new row 1's key moved into a free cache
+    slot, the cache slots permuted, and the hidden slots refilled with garbage."""
+    q, pk, pv, nk, nv, mask = (x.copy() for x in inputs)
+    c = pk.shape[2]
+    perm = rng.permutation(c)
+    pk, pv, mask[..., :c] = pk[:, :, perm], pv[:, :, perm], mask[..., perm]
+    hidden = np.flatnonzero(mask[0, 0, 0, :c] == MIN)
+    pk[:, :, hidden] = rng.standard_normal(pk[:, :, hidden].shape)
+    slot = hidden[0]
+    pk[:, :, slot], pv[:, :, slot] = nk[:, :, 1], nv[:, :, 1]
+    mask[0, 0, 0, slot], mask[0, 0, 0, c + 1] = 0.0, MIN
+    return [q, pk, pv, nk, nv, mask]
+
+
+@pytest.mark.parametrize("standard", [False, True])
+def test_a_row_does_not_depend_on_where_its_keys_are_stored(standard):
+    """The kernel: bitwise equal after moving keys; ONNX Runtime's standard ops (negative control): not always."""
+    rng = np.random.default_rng(1)
+    same = []
+    for _ in range(20):
+        inputs = attention_inputs(rng, c=24, t=4, visible=0.7)
+        inputs[5][0, 0, 0, 24 + 1] = 0.0  # row 0 sees new row 1
+        before, after = run_attention(inputs, standard=standard), run_attention(_moved(inputs, rng), standard=standard)
+        same.append(np.array_equal(before[:, :, 0], after[:, :, 0]))
+        np.testing.assert_allclose(after[:, :, 0], before[:, :, 0], rtol=0, atol=1e-5)
+    assert all(same) if not standard else not all(same)
+
+
+def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
+    inputs = attention_inputs(np.random.default_rng(2), t=2)
+    inputs[4][0, 0, 1, 3] = np.nan  # new row 1's value, KV head 0: query heads 0 and 1, rows that see it
+    out = run_attention(inputs)
+    assert np.isnan(out[0, :2, 1]).all() and not np.isnan(out[0, :, 0]).any() and not np.isnan(out[0, 2:]).any()
+    with pytest.raises(Exception, match="shapes must be"):
+        run_attention([inputs[0][:, :3], *inputs[1:]])
+
+
+def test_portable_paths_give_the_vector_paths_bits(tmp_path):
+    """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loops on any CPU."""
+    rng = np.random.default_rng(3)
+    inputs = attention_inputs(rng, d=20, c=30)
+    w, a = rng.standard_normal((70, 90)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", *inputs, w=w, a=a)
+    code = ("import sys, numpy as np; from tests.test_invariant_kernels import *;"
+            "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(6)];"
+            "y = session(row_matmul_model(z['w'], None)).run(None, {'a': z['a']})[0];"
+            "sys.stdout.buffer.write(run_attention(i).tobytes() + y.tobytes())")
+    outs = []
+    for portable in (False, True):
+        env = {k: v for k, v in os.environ.items() if k != "MXSPD_KERNELS_PORTABLE"}
+        env |= {"MXSPD_KERNELS_PORTABLE": "1"} if portable else {}
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.npz")], env=env, check=True,
+                             capture_output=True)
+        outs.append(out.stdout)
+    assert len(outs[0]) > 0 and outs[0] == outs[1]

@@ -58,6 +58,14 @@ float dot_scalar(const float* x, const float* y, int64_t d) {
   return lane_sum(lanes);
 }
 
+// The largest |v[i]| (a max: the same in any order) and whether any v[i] is Inf or NaN.
+void scan_scalar(const float* v, int64_t d, float* largest, bool* bad) {
+  for (int64_t i = 0; i < d; ++i) {
+    *bad = *bad || !std::isfinite(v[i]);
+    if (std::fabs(v[i]) > *largest) *largest = std::fabs(v[i]);
+  }
+}
+
 // acc[i] += fixed(factor * v[i]); factor * v[i] is exact in double (24-bit by 24-bit mantissas).
 void accumulate_scalar(int64_t* acc, const float* v, double factor, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += fixed(factor * static_cast<double>(v[i]));
@@ -72,6 +80,23 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* 
   _mm256_store_ps(lanes, acc);
   for (; i < d; ++i) lanes[i % 8] = std::fma(x[i], y[i], lanes[i % 8]);
   return lane_sum(lanes);
+}
+
+__attribute__((target("avx2,fma"))) void scan_avx2(const float* v, int64_t d, float* largest, bool* bad) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 top = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude);
+    nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // Inf, or NaN (unordered)
+    top = _mm256_max_ps(top, a);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  for (float x : lanes) *largest = std::max(*largest, x);
+  *bad = *bad || _mm256_movemask_ps(nonfinite) != 0;
+  scan_scalar(v + i, d - i, largest, bad);
 }
 
 __attribute__((target("avx2,fma"))) void accumulate_avx2(int64_t* acc, const float* v, double factor, int64_t d) {
@@ -94,6 +119,13 @@ float dot(const float* x, const float* y, int64_t d) {
   return dot_scalar(x, y, d);
 }
 
+void scan(const float* v, int64_t d, float* largest, bool* bad) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return scan_avx2(v, d, largest, bad);
+#endif
+  scan_scalar(v, d, largest, bad);
+}
+
 void accumulate(int64_t* acc, const float* v, double factor, int64_t d) {
 #ifdef MXSPD_X86
   if (kHasAvx2) return accumulate_avx2(acc, v, factor, d);
@@ -114,22 +146,18 @@ void row(void* user, size_t index) {
   visible.clear();
   score.clear();
   float top = -std::numeric_limits<float>::infinity(), largest = 0.0f;
+  bool bad = false;  // a NaN score, or an Inf or NaN value: the row's output is NaN
   for (int64_t j = 0; j < keys; ++j) {
     if (!(mask[j] > kHidden)) continue;
     visible.push_back(j);
     score.push_back(dot(q, p.key(bb, kv, j), p.d) * p.scale + mask[j]);
     top = std::max(top, score.back());
-    const float* v = p.value(bb, kv, j);
-    for (int64_t i = 0; i < p.d; ++i) largest = std::max(largest, std::fabs(v[i]));  // NaN: ignored here...
+    bad = bad || std::isnan(score.back());
+    scan(p.value(bb, kv, j), p.d, &largest, &bad);
   }
-  bool finite = std::isfinite(top);
-  for (float s : score) finite = finite && !std::isnan(s);
-  for (int64_t j : visible) {  // ... and caught here
-    const float* v = p.value(bb, kv, j);
-    for (int64_t i = 0; i < p.d; ++i) finite = finite && std::isfinite(v[i]);
-  }
-  if (visible.empty() || largest == 0.0f || !finite) {
-    std::fill(y, y + p.d, visible.empty() || finite ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+  bad = bad || !std::isfinite(top);
+  if (visible.empty() || largest == 0.0f || bad) {
+    std::fill(y, y + p.d, visible.empty() || !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN());
     return;
   }
   int e = 0;

@@ -4,10 +4,6 @@ errors; and ONNX Runtime's standard ops failing the same checks (the negative co
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import pytest
@@ -16,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kernels
 from export.split_attention import attention_function
 from kernels.layout import pack_panels
-from tests.test_native_kernel import session
+from tests.test_native_kernel import session, vector_and_portable
 
 pytestmark = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 MIN = float(np.finfo(np.float32).min)
@@ -137,11 +133,5 @@ def test_portable_paths_give_the_vector_paths_bits(tmp_path):
             "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(6)];"
             "y = session(row_matmul_model(z['w'], None)).run(None, {'a': z['a']})[0];"
             "sys.stdout.buffer.write(run_attention(i).tobytes() + y.tobytes())")
-    outs = []
-    for portable in (False, True):
-        env = {k: v for k, v in os.environ.items() if k != "MXSPD_KERNELS_PORTABLE"}
-        env |= {"MXSPD_KERNELS_PORTABLE": "1"} if portable else {}
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.npz")], env=env, check=True,
-                             capture_output=True)
-        outs.append(out.stdout)
-    assert len(outs[0]) > 0 and outs[0] == outs[1]
+    vector, portable = vector_and_portable(code, str(tmp_path / "in.npz"))
+    assert len(vector) > 0 and vector == portable

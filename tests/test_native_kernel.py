@@ -127,14 +127,20 @@ def test_portable_path_gives_the_vector_paths_bits(tmp_path):
     code = ("import sys, numpy as np, onnx; from tests.test_native_kernel import session;"
             "m = onnx.load_from_string(sys.stdin.buffer.read()); a = np.load(sys.argv[1]);"
             "sys.stdout.buffer.write(session(m).run(None, {'a': a})[0].tobytes())")
+    vector, portable = vector_and_portable(code, str(tmp_path / "a.npy"),
+                                           stdin=mx_matmul_model(codes, exps, 16, [5, 100]).SerializeToString())
+    np.testing.assert_array_equal(np.frombuffer(vector, np.float32), np.frombuffer(portable, np.float32))
+
+
+def vector_and_portable(code: str, *args: str, stdin: bytes = b"") -> list[bytes]:
+    """What `python -c code args` prints with the library's vector paths, then with MXSPD_KERNELS_PORTABLE=1."""
     outs = []
     for portable in (False, True):
         env = {k: v for k, v in os.environ.items() if k != "MXSPD_KERNELS_PORTABLE"}
         env |= {"MXSPD_KERNELS_PORTABLE": "1"} if portable else {}
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.npy")], env=env, check=True,
-                             input=mx_matmul_model(codes, exps, 16, [5, 100]).SerializeToString(), capture_output=True)
-        outs.append(np.frombuffer(out.stdout, np.float32))
-    np.testing.assert_array_equal(outs[0], outs[1])
+        outs.append(subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, input=stdin,
+                                   capture_output=True).stdout)
+    return outs
 
 
 @needs_library

@@ -17,7 +17,7 @@ from ray import serve
 
 from common.manifest import read_manifest
 from runtime.artifact import load_artifact
-from runtime.serve import create_app, positive
+from runtime.serve import API_KEY_ENV, check_exposure, create_app, positive
 
 
 @serve.ingress()
@@ -25,17 +25,17 @@ class OpenAIServer:
     """One replica: the artifact and its scheduler, built in the replica's own process."""
 
     def __init__(self, artifact: str, name: str | None, max_queue: int, speculation: str | None,
-                 threads: int | None) -> None:
-        self.settings = (artifact, name, max_queue, speculation, threads)
+                 threads: int | None, api_key: str | None = None) -> None:
+        self.settings = (artifact, name, max_queue, speculation, threads, api_key)
 
     def __serve_build_asgi_app__(self):  # Ray Serve calls it on the replica, after __init__
-        artifact, name, max_queue, speculation, threads = self.settings
-        return create_app(load_artifact(artifact, threads=threads), name, max_queue, speculation)
+        artifact, name, max_queue, speculation, threads, api_key = self.settings
+        return create_app(load_artifact(artifact, threads=threads), name, max_queue, speculation, api_key)
 
 
 def application(artifact: str | os.PathLike, replicas: int = 1, name: str | None = None, max_queue: int = 64,
-                speculation: str | None = None, cpus_per_replica: float = 1.0, threads: int | None = None
-                ) -> serve.Application:
+                speculation: str | None = None, cpus_per_replica: float = 1.0, threads: int | None = None,
+                api_key: str | None = None) -> serve.Application:
     """The Serve application: `replicas` copies of the server, each reserving `cpus_per_replica` of
     Ray's CPUs and running ONNX Runtime on `threads` threads (default: ONNX Runtime's choice)."""
     if replicas < 1:
@@ -43,7 +43,7 @@ def application(artifact: str | os.PathLike, replicas: int = 1, name: str | None
     read_manifest(Path(artifact), verify=False)  # a missing artifact fails here, not inside N actors
     deployment = serve.deployment(OpenAIServer, name="mxspd", num_replicas=replicas,
                                   ray_actor_options={"num_cpus": cpus_per_replica})
-    return deployment.bind(str(os.path.abspath(artifact)), name, max_queue, speculation, threads)
+    return deployment.bind(str(os.path.abspath(artifact)), name, max_queue, speculation, threads, api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="the method of requests that name none (default none)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
     p.add_argument("--threads", type=positive, help="ONNX Runtime threads per replica (default: its own choice)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"clients must send 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV})")
     args = p.parse_args(argv)
+    check_exposure(args.host, args.api_key)
     try:
         app = application(args.artifact, args.replicas, args.model_name, args.max_queue,
                           None if args.speculation == "none" else args.speculation, args.cpus_per_replica,
-                          args.threads)
+                          args.threads, args.api_key)
     except (ValueError, OSError, RuntimeError) as exc:
         p.error(str(exc))
     ray.init(address=args.address)

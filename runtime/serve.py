@@ -4,16 +4,23 @@ Every request becomes one sequence of the scheduler's forest (runtime/scheduler.
 concurrent requests share each TLM call (continuous batching). Routes: POST /v1/completions,
 POST /v1/chat/completions (streaming as server-sent events ending in `data: [DONE]`, or not),
 GET /v1/models, /health, /metrics (Prometheus text). Errors are OpenAI-style JSON bodies: 400 for
-bad input, 429 with Retry-After when the queue is full.
+bad input, 401 for a missing or wrong API key, 429 with Retry-After when the queue is full.
+
+With an API key (`--api-key`, or the MXSPD_API_KEY environment variable), every /v1/ route needs
+`Authorization: Bearer KEY`, as OpenAI's API and vLLM's server do; /health and /metrics stay open.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
+import os
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -29,6 +36,7 @@ from runtime.results import TextPieces
 from runtime.scheduler import Event, QueueFullError, Scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's finish_reason
+API_KEY_ENV = "MXSPD_API_KEY"
 
 
 class Sampling(BaseModel):
@@ -66,20 +74,30 @@ class BadRequest(ValueError):
     pass
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None
-           ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status, headers)
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
 
 
-def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None
-               ) -> FastAPI:
-    """The app serving `art`; `speculation` is the method a request that names none uses (None: off)."""
+def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The app serving `art`; `speculation` is the method a request that names none uses (None: off);
+    with `api_key`, /v1/ routes need `Authorization: Bearer <api_key>`."""
     name = name or art.manifest.name
     batched_speculation(art, speculation or False)  # a bad default fails at start, not per request
     scheduler = Scheduler(art, max_queue=max_queue)
     app = FastAPI(title="mxspd", lifespan=None)
     app.state.scheduler = scheduler
     started = time.time()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                              code="invalid_api_key")
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -287,6 +305,17 @@ def positive(text: str) -> int:
     return value
 
 
+def check_exposure(host: str, api_key: str | None) -> None:
+    """Warn when the server is reachable beyond this machine and anyone may use it."""
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        local = False
+    if not local and not api_key:
+        warnings.warn(f"serving on {host} without an API key: anyone who can reach this port can use the model; "
+                      f"set --api-key or {API_KEY_ENV}", stacklevel=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -301,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
                         "concurrency the shared calls are already full)")
     p.add_argument("--threads", type=positive, help="ONNX Runtime threads per call (default: every core; on a busy "
                    "machine with a small model, 1 can be faster)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"clients must send 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV})")
     args = p.parse_args(argv)
+    check_exposure(args.host, args.api_key)
     art = load_artifact(args.artifact, threads=args.threads)
     try:
-        app = create_app(art, args.model_name, args.max_queue, None if args.speculation == "none" else args.speculation)
+        app = create_app(art, args.model_name, args.max_queue, None if args.speculation == "none" else args.speculation,
+                         args.api_key)
     except (ValueError, ArtifactError) as exc:
         p.error(str(exc))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

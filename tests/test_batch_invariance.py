@@ -159,7 +159,8 @@ PROMPTS = [[0, 40, 41], [0] + [50, 51, 52, 53] * 6, list(range(4, 30)), [0, 7] *
 @pytest.mark.parametrize("fmt", ["float32", "mx-fused", "mx-native"])
 def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, tmp_path_factory, fmt):
     """Greedy draft SpD, prompt lookup and lookahead on the near-tie model, several prompts (repeats make
-    prompt lookup propose); sampled branches equal standalone runs with seed + i."""
+    prompt lookup propose); sampled branches equal standalone runs with seed + i; several questions
+    decoded together equal each question alone."""
     art = artifact(flat, checkpoints, tmp_path_factory, fmt, dlm=True)
     for prompt in PROMPTS:
         ar = runtime.generate(art, prompt, max_new_tokens=40, speculative=False).token_ids
@@ -170,6 +171,10 @@ def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, t
     for i, branch in enumerate(multi.branches):
         alone = runtime.generate(art, PROMPTS[0], speculative=False, **(kw | {"seed": 5 + i}))
         assert branch.token_ids == alone.token_ids, i
+    context, questions = [0, 40, 41], [[50, 51], [60, 61, 62], [7]]
+    answers = runtime.generate_multi(art, context, questions, max_new_tokens=16)
+    for q, answer in zip(questions, answers.branches, strict=True):
+        assert answer.token_ids == runtime.generate(art, context + q, max_new_tokens=16, speculative=False).token_ids
 
 
 @pytest.mark.parametrize("fmt", ["mx-fused", "mx-native"])

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -332,3 +333,25 @@ def test_the_recipes_sampling_table_is_the_default_everywhere(checkpoints, tmp_p
             art.tokenizer.decode(explicit, skip_special_tokens=True)
         greedy_text = client.post("/v1/completions", json=body | {"temperature": 0}).json()["choices"][0]["text"]
         assert greedy_text == art.tokenizer.decode(greedy, skip_special_tokens=True)
+
+
+def test_an_api_key_guards_the_v1_routes(artifact_dir):
+    from runtime.serve import check_exposure
+
+    with TestClient(create_app(runtime.load_artifact(artifact_dir), name="tiny", api_key="s3cret")) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = client.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = client.post("/v1/completions", json={"prompt": [0, 40], "max_tokens": 2}, headers=headers)
+            assert r.status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.get("/v1/models", headers=ok).json()["data"][0]["id"] == "tiny"
+        r = client.post("/v1/completions", json={"prompt": [0, 40], "max_tokens": 2}, headers=ok)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert client.get("/health").status_code == 200  # probes need no key
+    with pytest.warns(UserWarning, match="without an API key"):
+        check_exposure("0.0.0.0", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for host, key in (("127.0.0.1", None), ("localhost", None), ("::1", None), ("0.0.0.0", "k")):
+            check_exposure(host, key)

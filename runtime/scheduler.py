@@ -68,7 +68,9 @@ class Request:
     dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
     first_token: float | None = None
+    finished: float | None = None
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.decoding.seed)
@@ -101,10 +103,21 @@ class Request:
     def spare(self) -> int:
         return self.spec.k if self.spec is not None else 0
 
+    def timings(self) -> dict[str, float]:
+        """Seconds spent queued, to the first token, per later token and in all (those that apply)."""
+        out = {"queue_s": (self.admitted or self.finished or 0.0) - self.submitted,
+               "e2e_s": (self.finished or 0.0) - self.submitted}
+        if self.first_token is not None:
+            out["ttft_s"] = self.first_token - self.submitted
+            if len(self.tokens) > 1:
+                out["tpot_s"] = (self.finished - self.first_token) / (len(self.tokens) - 1)
+        return out
+
 
 class Scheduler:
-    def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None) -> None:
-        self.art, self.max_queue = art, max_queue
+    def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> None:
+        self.art, self.max_queue, self.on_finish = art, max_queue, on_finish
         self.max_batch = max_batch or art.manifest.context_length
         self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
@@ -186,6 +199,7 @@ class Scheduler:
             for req in group:
                 if req.leader is None:
                     req.branch, _ = forest.root()
+                req.admitted = time.perf_counter()
                 self.live.append(req)
                 admitted.append(req)
         return admitted
@@ -331,4 +345,7 @@ class Scheduler:
         self.live.remove(req)
         self.stats["finished"] += 1
         self.stats["cancelled"] += reason == "cancelled"
+        req.finished = time.perf_counter()
+        if self.on_finish is not None:
+            self.on_finish(req)
         req.listener(Event(finish=reason, error=error))

@@ -3,7 +3,9 @@
 Every request becomes one sequence of the scheduler's forest (runtime/scheduler.py), so
 concurrent requests share each TLM call (continuous batching). Routes: POST /v1/completions,
 POST /v1/chat/completions (streaming as server-sent events ending in `data: [DONE]`, or not),
-GET /v1/models, /health, /metrics (Prometheus text). Errors are OpenAI-style JSON bodies: 400 for
+GET /v1/models, /health, /metrics (Prometheus, through prometheus_client: the scheduler's counters
+and, as vLLM exposes them, histograms of queue time, time to first token, time per output token
+and end-to-end latency). Errors are OpenAI-style JSON bodies: 400 for
 bad input, 401 for a missing or wrong API key, 429 with Retry-After when the queue is full.
 
 With an API key (`--api-key`, or the MXSPD_API_KEY environment variable), every /v1/ route needs
@@ -26,9 +28,12 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.manifest import ArtifactError
+from runtime import scheduler as sched
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import CapacityError
 from runtime.request import batched_speculation, decoding, encode_prompt
@@ -79,6 +84,49 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
 
 
+COUNTERS = {  # metric (without the _total Prometheus adds) -> scheduler.stats key
+    "requests": "requests", "requests_finished": "finished", "requests_cancelled": "cancelled",
+    "requests_rejected": "rejected", "generated_tokens": "tokens", "steps": "steps", "tlm_calls": "calls",
+    "drafted_tokens": "drafted", "accepted_tokens": "accepted"}
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+HISTOGRAMS = {  # metric -> (Request.timings key, help)
+    "request_queue_time_seconds": ("queue_s", "time a request waited before it was admitted"),
+    "time_to_first_token_seconds": ("ttft_s", "time from a request's arrival to its first token"),
+    "time_per_output_token_seconds": ("tpot_s", "time per output token after the first"),
+    "e2e_request_latency_seconds": ("e2e_s", "time from a request's arrival to its end"),
+}
+
+
+class Metrics:
+    """The server's Prometheus registry: the scheduler's counters and gauges, read when scraped, and
+    per-request latency histograms observed as each request ends."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.histograms = {key: Histogram(f"mxspd_{name}", text, registry=self.registry, buckets=LATENCY_BUCKETS)
+                           for name, (key, text) in HISTOGRAMS.items()}
+
+    def observe(self, req: sched.Request) -> None:
+        for key, value in req.timings().items():
+            self.histograms[key].observe(value)
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        s, sch = self.scheduler.stats, self.scheduler
+        for name, key in COUNTERS.items():
+            yield CounterMetricFamily(f"mxspd_{name}", f"scheduler total: {key}", value=s[key])
+        for name, value, text in [
+            ("tokens_per_second", s["tokens"] / s["busy_s"] if s["busy_s"] else 0.0, "tokens per busy second"),
+            ("acceptance_rate", s["accepted"] / s["drafted"] if s["drafted"] else 0.0, "accepted / drafted"),
+            ("queue_depth", len(sch.waiting), "requests waiting"), ("batch_occupancy", len(sch.live), "live requests"),
+        ]:
+            yield GaugeMetricFamily(f"mxspd_{name}", text, value=value)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None,
                api_key: str | None = None) -> FastAPI:
     """The app serving `art`; `speculation` is the method a request that names none uses (None: off);
@@ -86,6 +134,8 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     name = name or art.manifest.name
     batched_speculation(art, speculation or False)  # a bad default fails at start, not per request
     scheduler = Scheduler(art, max_queue=max_queue)
+    metrics = Metrics(scheduler)
+    scheduler.on_finish = metrics.observe
     app = FastAPI(title="mxspd", lifespan=None)
     app.state.scheduler = scheduler
     started = time.time()
@@ -123,18 +173,8 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
                                             "owned_by": "mxspd"}]}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        s = scheduler.stats
-        counters = dict(requests_total="requests", requests_finished_total="finished",
-                        requests_cancelled_total="cancelled", requests_rejected_total="rejected",
-                        generated_tokens_total="tokens", steps_total="steps", tlm_calls_total="calls",
-                        drafted_tokens_total="drafted", accepted_tokens_total="accepted")
-        lines = [f"mxspd_{key} {s[stat]}" for key, stat in counters.items()] + [
-            f"mxspd_tokens_per_second {s['tokens'] / s['busy_s'] if s['busy_s'] else 0.0:.3f}",
-            f"mxspd_acceptance_rate {s['accepted'] / s['drafted'] if s['drafted'] else 0.0:.4f}",
-            f"mxspd_queue_depth {len(scheduler.waiting)}", f"mxspd_batch_occupancy {len(scheduler.live)}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

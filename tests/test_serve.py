@@ -355,3 +355,24 @@ def test_an_api_key_guards_the_v1_routes(artifact_dir):
         warnings.simplefilter("error")
         for host, key in (("127.0.0.1", None), ("localhost", None), ("::1", None), ("0.0.0.0", "k")):
             check_exposure(host, key)
+
+
+def test_metrics_are_prometheus_with_latency_histograms(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, client = served
+    for _ in range(2):
+        assert client.post("/v1/completions", json={"prompt": [0, 40, 41], "max_tokens": 4}).status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("request_queue_time_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"):
+        family = families[f"mxspd_{name}"]
+        assert family.type == "histogram"
+        count = next(s.value for s in family.samples if s.name.endswith("_count"))
+        total = next(s.value for s in family.samples if s.name.endswith("_sum"))
+        assert count >= 2 and total > 0
+    def total(name: str) -> float:
+        return next(s.value for s in families[name].samples if s.name.endswith("_sum"))
+
+    assert total("mxspd_time_to_first_token_seconds") < total("mxspd_e2e_request_latency_seconds")
+    assert families["mxspd_generated_tokens"].type == "counter"

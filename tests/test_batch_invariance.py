@@ -200,3 +200,18 @@ def test_concurrent_server_requests_equal_autoregressive_on_mxfp6(flat, checkpoi
         for prompt, tokens in zip(prompts, out, strict=True):
             ar = runtime.generate(art, prompt, max_new_tokens=12, speculative=False).token_ids
             assert tokens == ar, method
+
+
+def test_without_the_kernels_the_compiler_says_the_artifact_is_not_invariant(monkeypatch):
+    import warnings
+
+    from compiler import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert build.effective_invariance(False, "ort-cpu") is False  # asked off: no warning
+    with pytest.warns(UserWarning, match="CPU only"):
+        assert build.effective_invariance(True, "ort-cuda") is False
+    monkeypatch.setattr(build, "library_path", lambda: None)
+    with pytest.warns(UserWarning, match="not built"):
+        assert build.effective_invariance(True, "ort-cpu") is False

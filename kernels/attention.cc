@@ -71,8 +71,35 @@ void accumulate_scalar(int64_t* acc, const float* v, double factor, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += fixed(factor * static_cast<double>(v[i]));
 }
 
+// A row's work over its visible keys, in three passes, each one call per row (so that the vector
+// path's per-key steps inline): the values' range, each head's scores, each head's weighted sums.
+struct Visible {
+  const Problem& p;
+  int64_t batch, head;      // KV head
+  const int64_t* keys;      // visible key indices, cache slots first
+  size_t n;
+  const float* mask;        // the row's mask
+};
+
+void scan_values_scalar(const Visible& v, float* largest, bool* bad) {
+  for (size_t n = 0; n < v.n; ++n) scan_scalar(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
+}
+
+void scores_scalar(const Visible& v, const float* q, float* score) {
+  for (size_t n = 0; n < v.n; ++n)
+    score[n] = dot_scalar(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
+}
+
+void sums_scalar(const Visible& v, const float* score, float top, int e, int64_t* num, int64_t* den) {
+  for (size_t n = 0; n < v.n; ++n) {
+    const double prob = std::exp(score[n] - top);  // float exp, widened: (0, 1]
+    *den += fixed(std::ldexp(prob, kFraction));
+    accumulate_scalar(num, v.p.value(v.batch, v.head, v.keys[n]), std::ldexp(prob, kFraction - e), v.p.d);
+  }
+}
+
 #ifdef MXSPD_X86
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* y, int64_t d) {
+__attribute__((target("avx2,fma"))) inline float dot_avx2(const float* x, const float* y, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
@@ -82,7 +109,7 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* x, const float* 
   return lane_sum(lanes);
 }
 
-__attribute__((target("avx2,fma"))) void scan_avx2(const float* v, int64_t d, float* largest, bool* bad) {
+__attribute__((target("avx2,fma"))) inline void scan_avx2(const float* v, int64_t d, float* largest, bool* bad) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   __m256 top = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
@@ -99,7 +126,8 @@ __attribute__((target("avx2,fma"))) void scan_avx2(const float* v, int64_t d, fl
   scan_scalar(v + i, d - i, largest, bad);
 }
 
-__attribute__((target("avx2,fma"))) void accumulate_avx2(int64_t* acc, const float* v, double factor, int64_t d) {
+__attribute__((target("avx2,fma"))) inline void accumulate_avx2(int64_t* acc, const float* v, double factor,
+                                                                int64_t d) {
   const __m256d f = _mm256_set1_pd(factor), magic = _mm256_set1_pd(kMagic);
   const __m256i magic_bits = _mm256_set1_epi64x(kMagicBits);
   int64_t i = 0;
@@ -110,67 +138,92 @@ __attribute__((target("avx2,fma"))) void accumulate_avx2(int64_t* acc, const flo
   }
   accumulate_scalar(acc + i, v + i, factor, d - i);
 }
-#endif
 
-float dot(const float* x, const float* y, int64_t d) {
-#ifdef MXSPD_X86
-  if (kHasAvx2) return dot_avx2(x, y, d);
-#endif
-  return dot_scalar(x, y, d);
+__attribute__((target("avx2,fma"))) void scan_values_avx2(const Visible& v, float* largest, bool* bad) {
+  for (size_t n = 0; n < v.n; ++n) scan_avx2(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
 }
 
-void scan(const float* v, int64_t d, float* largest, bool* bad) {
-#ifdef MXSPD_X86
-  if (kHasAvx2) return scan_avx2(v, d, largest, bad);
-#endif
-  scan_scalar(v, d, largest, bad);
+__attribute__((target("avx2,fma"))) void scores_avx2(const Visible& v, const float* q, float* score) {
+  for (size_t n = 0; n < v.n; ++n)
+    score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
 }
 
-void accumulate(int64_t* acc, const float* v, double factor, int64_t d) {
-#ifdef MXSPD_X86
-  if (kHasAvx2) return accumulate_avx2(acc, v, factor, d);
+__attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float* score, float top, int e,
+                                                   int64_t* num, int64_t* den) {
+  for (size_t n = 0; n < v.n; ++n) {
+    const double prob = std::exp(score[n] - top);
+    *den += fixed(std::ldexp(prob, kFraction));
+    accumulate_avx2(num, v.p.value(v.batch, v.head, v.keys[n]), std::ldexp(prob, kFraction - e), v.p.d);
+  }
+}
 #endif
-  accumulate_scalar(acc, v, factor, d);
+
+void scan_values(const Visible& v, float* largest, bool* bad) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return scan_values_avx2(v, largest, bad);
+#endif
+  scan_values_scalar(v, largest, bad);
 }
 
-// One (batch, query head, row): its output vector.
-void row(void* user, size_t index) {
+void scores(const Visible& v, const float* q, float* score) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return scores_avx2(v, q, score);
+#endif
+  scores_scalar(v, q, score);
+}
+
+void sums(const Visible& v, const float* score, float top, int e, int64_t* num, int64_t* den) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return sums_avx2(v, score, top, e, num, den);
+#endif
+  sums_scalar(v, score, top, e, num, den);
+}
+
+// Query heads per task: a KV head's whole group when every head shares the mask (the values' range
+// and the visible list are then found once for the group) and there are rows enough to keep every
+// thread busy; else one. A head's arithmetic is the same either way.
+int64_t group(const Problem& p) { return p.mask_heads == 1 && p.t >= 4 ? p.hq / p.hkv : 1; }
+
+// One task: (batch, group of query heads, row) -> their output vectors.
+void task(void* user, size_t index) {
   const Problem& p = *static_cast<const Problem*>(user);
-  const int64_t tt = static_cast<int64_t>(index) % p.t, h = static_cast<int64_t>(index) / p.t % p.hq;
-  const int64_t bb = static_cast<int64_t>(index) / (p.t * p.hq), kv = h / (p.hq / p.hkv), keys = p.c + p.t;
-  const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
-  const float* mask = p.mask + ((bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h)) * p.t + tt) * keys;
-  float* y = p.y + ((bb * p.hq + h) * p.t + tt) * p.d;
+  const int64_t g = group(p), groups = p.hq / g, keys = p.c + p.t;
+  const int64_t tt = static_cast<int64_t>(index) % p.t, h0 = static_cast<int64_t>(index) / p.t % groups * g;
+  const int64_t bb = static_cast<int64_t>(index) / (p.t * groups), kv = h0 / (p.hq / p.hkv);
+  const float* mask = p.mask + ((bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt) * keys;
   thread_local std::vector<int64_t> visible, num;
   thread_local std::vector<float> score;
   visible.clear();
-  score.clear();
-  float top = -std::numeric_limits<float>::infinity(), largest = 0.0f;
-  bool bad = false;  // a NaN score, or an Inf or NaN value: the row's output is NaN
-  for (int64_t j = 0; j < keys; ++j) {
-    if (!(mask[j] > kHidden)) continue;
-    visible.push_back(j);
-    score.push_back(dot(q, p.key(bb, kv, j), p.d) * p.scale + mask[j]);
-    top = std::max(top, score.back());
-    bad = bad || std::isnan(score.back());
-    scan(p.value(bb, kv, j), p.d, &largest, &bad);
+  for (int64_t j = 0; j < keys; ++j)
+    if (mask[j] > kHidden) visible.push_back(j);
+  const Visible v{p, bb, kv, visible.data(), visible.size(), mask};
+  float largest = 0.0f;
+  bool values_bad = false;  // an Inf or NaN value: the output is NaN
+  scan_values(v, &largest, &values_bad);
+  score.resize(visible.size());
+  for (int64_t h = h0; h < h0 + g; ++h) {
+    const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
+    float* y = p.y + ((bb * p.hq + h) * p.t + tt) * p.d;
+    scores(v, q, score.data());
+    float top = -std::numeric_limits<float>::infinity();
+    bool bad = values_bad;
+    for (float s : score) {
+      top = std::max(top, s);
+      bad = bad || std::isnan(s);
+    }
+    bad = bad || (!visible.empty() && !std::isfinite(top));
+    if (visible.empty() || largest == 0.0f || bad) {
+      std::fill(y, y + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+      continue;
+    }
+    int e = 0;
+    std::frexp(largest, &e);  // every |value| < 2^e
+    num.assign(p.d, 0);
+    int64_t den = 0;
+    sums(v, score.data(), top, e, num.data(), &den);
+    for (int64_t i = 0; i < p.d; ++i)
+      y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), e));
   }
-  bad = bad || !std::isfinite(top);
-  if (visible.empty() || largest == 0.0f || bad) {
-    std::fill(y, y + p.d, visible.empty() || !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN());
-    return;
-  }
-  int e = 0;
-  std::frexp(largest, &e);  // every |value| < 2^e
-  num.assign(p.d, 0);
-  int64_t den = 0;
-  for (size_t n = 0; n < visible.size(); ++n) {
-    const double prob = std::exp(score[n] - top);  // float exp, widened: (0, 1]
-    den += fixed(std::ldexp(prob, kFraction));
-    accumulate(num.data(), p.value(bb, kv, visible[n]), std::ldexp(prob, kFraction - e), p.d);
-  }
-  for (int64_t i = 0; i < p.d; ++i)
-    y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), e));
 }
 
 struct Kernel {
@@ -203,7 +256,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   if (b * hq * t * d == 0) return nullptr;
   Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1],
             static_cast<Kernel*>(op_kernel)->scale};
-  return g_api.parallel_for(ctx, row, static_cast<size_t>(b * hq * t), &p);
+  return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
 }
 
 }  // namespace

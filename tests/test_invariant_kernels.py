@@ -126,7 +126,7 @@ def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
 def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loops on any CPU."""
     rng = np.random.default_rng(3)
-    inputs = attention_inputs(rng, d=20, c=30)
+    inputs = attention_inputs(rng, d=20, c=30, t=5)  # t >= 4: query heads grouped per KV head
     w, a = rng.standard_normal((70, 90)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
     np.savez(tmp_path / "in.npz", *inputs, w=w, a=a)
     code = ("import sys, numpy as np; from tests.test_invariant_kernels import *;"

@@ -3,6 +3,7 @@
     python -m benchmarks.serve_load [--models default-fp32,220m] [--clients 1,4,8] [--requests 4]
                                     [--max-tokens 32] [--rounds 3] [--threads N] [--mixed 200]
                                     [--artifact DIR] [--speculation none|draft|prompt_lookup]
+    python -m benchmarks.serve_load --chat --artifact DIR [--turns 4] [--rounds 3] [--max-tokens 24]
 
 Starts `python -m runtime.serve` in its own process (a free loopback port) for each TLM-only artifact of
 benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
@@ -11,6 +12,12 @@ The client counts alternate for `--rounds` rounds (the machine is shared and noi
 then hits every count). Prints the median round's aggregate tokens/s (completion tokens, from the
 stream's usage chunk, over wall time), its ratio to one client's, p50/p99 time to first token and
 per-token latency, and how many outputs equal the same prompt's output run alone before the timed runs.
+
+`--chat`: multi-turn chat with the prefix cache on and off (two servers, one after the other): a
+conversation of `--turns` turns after a shared 222-token system prompt (SmolLM2's tokenizer; the
+default recipe's max_prompt_length of 384 leaves no room for 300 and four turns), each turn resending the
+whole conversation (as chat clients do), `--rounds` conversations with different questions. Prints
+each turn's median TTFT with the cache on and off, their ratio, and whether every answer is equal.
 """
 
 from __future__ import annotations
@@ -125,6 +132,80 @@ def mixed(url: str, total: int, clients: int, max_tokens: int, reference: dict[s
                 sampled_ok=sum(code == 200 for k, code, _, _ in results if k == 2))
 
 
+SYSTEM = ("You are a careful, friendly assistant for a small software team. " + " ".join(
+    f"Rule {i}: {rule}." for i, rule in enumerate([
+        "answer in plain English and keep every answer short", "say so when you are not sure of a fact",
+        "prefer simple, readable code over clever code", "name the standard library module you would use",
+        "never invent function names or command line flags", "explain an error message before fixing it",
+        "when asked for a command, give exactly one command", "use metric units and ISO dates",
+        "do not repeat the question back to the user", "give one example when a concept is new",
+        "ask one short question back when a request is unclear", "write Python that runs on version 3.11",
+        "suggest a test for every function you write", "end with the single most useful next step",
+    ], 1)) + " These rules hold for the whole conversation, whatever the user asks later.")
+QUESTIONS = [["What is a Python list?", "How do I sort one?", "And in reverse order?", "What does it cost?"],
+             ["What is a dictionary?", "How do I loop over one?", "How do I merge two?", "Which is faster?"],
+             ["What is a unit test?", "Which module runs them?", "How do I skip one?", "Why would I?"]]
+
+
+def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """One streamed chat completion: (TTFT s, answer, prompt tokens found in the prefix cache)."""
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    where = urlsplit(url.replace("/completions", "/chat/completions"))
+    start, first, text, cached = time.perf_counter(), None, "", 0
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
+    try:
+        conn.request("POST", where.path, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read().decode()}")
+        while line := r.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                first = first or time.perf_counter()
+                text += chunk["choices"][0]["delta"].get("content", "")
+            else:
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    finally:
+        conn.close()
+    return first - start, text, cached
+
+
+def chat(path: str, extra: list[str], turns: int, rounds: int, max_tokens: int) -> None:
+    """Multi-turn conversations with the prefix cache on, then off; TTFT per turn and equal answers."""
+    ttft: dict[bool, list[list[float]]] = {}
+    answers: dict[bool, list[str]] = {}
+    cached: dict[bool, list[int]] = {}
+    for on in (True, False):
+        server, url = serve(path, extra + ([] if on else ["--no-prefix-cache"]))
+        try:
+            chat_turn(url, [{"role": "user", "content": "Hello."}], 4)  # warm-up, shares nothing but the template
+            ttft[on], answers[on], cached[on] = [[] for _ in range(turns)], [], []
+            for r in range(rounds):
+                messages = [{"role": "system", "content": SYSTEM}]
+                for t in range(turns):
+                    messages.append({"role": "user", "content": QUESTIONS[r % len(QUESTIONS)][t % 4]})
+                    seconds, text, hit = chat_turn(url, messages, max_tokens)
+                    messages.append({"role": "assistant", "content": text})
+                    ttft[on][t].append(seconds)
+                    answers[on].append(text)
+                    cached[on].append(hit)
+        finally:
+            server.terminate()
+            server.wait()
+    print("| turn | TTFT cache on ms (median) | cache off ms | off / on | prompt tokens cached (on) |")
+    print("|---|---|---|---|---|")
+    for t in range(turns):
+        on, off = np.median(ttft[True][t]) * 1e3, np.median(ttft[False][t]) * 1e3
+        hits = [cached[True][r * turns + t] for r in range(rounds)]
+        print(f"| {t + 1} | {on:.0f} | {off:.0f} | {off / on:.1f}x | {hits} |")
+    same = sum(a == b for a, b in zip(answers[True], answers[False], strict=True))
+    print(f"answers equal with the cache on and off: {same}/{len(answers[True])}; cached tokens with it off: "
+          f"{sum(cached[False])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="default-fp32,220m")
@@ -137,10 +218,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="the server's --threads (ONNX Runtime threads per call)")
     ap.add_argument("--mixed", type=int, default=0, metavar="N",
                     help="then N mixed requests (good, sampled, oversize, malformed) from 8 clients")
+    ap.add_argument("--chat", action="store_true", help="multi-turn chat, prefix cache on and off (needs --artifact)")
+    ap.add_argument("--turns", type=int, default=4, help="--chat: turns per conversation (default 4)")
     args = ap.parse_args()
+    extra = (["--threads", str(args.threads)] if args.threads else []) + ["--speculation", args.speculation]
+    if args.chat:
+        if not args.artifact:
+            ap.error("--chat needs --artifact (a chat model's artifact, e.g. the default recipe's)")
+        chat(args.artifact, extra, args.turns, args.rounds, args.max_tokens)
+        return
     print("| TLM | clients | tok/s | vs 1 client | TTFT p50 / p99 ms | per-token p50 / p99 ms | same as 1 client |")
     print("|---|---|---|---|---|---|---|")
-    extra = (["--threads", str(args.threads)] if args.threads else []) + ["--speculation", args.speculation]
     paths = {Path(args.artifact).name: args.artifact} if args.artifact else \
         {name: str(art.path) for name, (art, _) in artifacts(args.models.split(",")).items()}
     for name, path in paths.items():

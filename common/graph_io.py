@@ -71,6 +71,33 @@ def fitting_graph(graph_tokens: dict[str, int], rows: int) -> str:
     return min(fits)[1]
 
 
+def plan_calls(graphs: dict[str, tuple[int, float]], rows: int, max_rows: int | None = None
+               ) -> list[tuple[str, int]]:
+    """The cheapest sequence of calls that runs `rows` new rows, at most `max_rows` per call: (graph,
+    rows it takes) per call, from each graph's (T, measured cost of one call). 20 rows in two calls
+    of T = 13 and 9 can cost less than one call of T = 64. Without measured costs (any cost 0): the
+    fewest calls, as `fitting_graph` picks them. Batch-invariant graphs give the same bits however
+    the rows are split."""
+    if rows < 1:
+        raise ValueError(f"a call needs at least one row, got {rows}")
+    sizes = {name: t for name, (t, _) in graphs.items()}
+    cap = {name: min(t, max_rows or t) for name, t in sizes.items()}
+    if any(cost <= 0 for _, cost in graphs.values()):
+        chunk = max(cap.values())
+        return [(fitting_graph(sizes, n), n) for n in [chunk] * (rows // chunk) + [rows % chunk] if n]
+    best, pick = [0.0] + [np.inf] * rows, [""] * (rows + 1)
+    for r in range(1, rows + 1):  # best[r]: the cheapest way to run r rows
+        for name, (_, cost) in graphs.items():
+            if cost + best[max(0, r - cap[name])] < best[r]:
+                best[r], pick[r] = cost + best[max(0, r - cap[name])], name
+    plan, r = [], rows
+    while r > 0:
+        take = min(cap[pick[r]], r)
+        plan.append((pick[r], take))
+        r -= take
+    return plan
+
+
 def tree_sees(parents: Sequence[int]) -> np.ndarray:
     """bool [n, n]: row i sees its ancestors and itself; parents[0] = -1 (the root), parents[i] < i."""
     n = len(parents)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 class BatchDraftPolicy:
     def __init__(self, call_ms: Callable[[str, int], tuple[float, int]], probe_every: int = 16,
                  decay: float = 0.9) -> None:
-        """call_ms(role, rows) -> (measured ms, calls) of that many rows in as few calls as the graphs allow."""
+        """call_ms(role, rows) -> (measured ms, calls) of that many rows in the cheapest calls the graphs allow."""
         self.call_ms, self.probe_every, self.decay = call_ms, probe_every, decay
         self.drafted = self.accepted = 0.0  # decayed counts: recent text matters most
         self.host_ms = 0.0  # per call, beyond the compiler's measurement

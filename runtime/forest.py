@@ -6,7 +6,9 @@ its position the branch's length, so every branch's logits equal a plain chain f
 tokens (graph_io's conventions; K is stored after RoPE, so a slot's index does not matter).
 Forking a branch copies its view (C booleans), never KV; a slot is free when no live branch sees
 it, so a released branch's own slots are reused at once while a prefix shared with live branches
-stays.
+stays. With a prefix cache (runtime/prefix_cache.py), a finished branch's slots are kept
+(`keep`) and a new branch starts from the longest cached prefix of its prompt (`cached_prefix`);
+cached slots are given back, least recently used first, when a new token needs one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.model_runner import ModelRunner
+from runtime.prefix_cache import PrefixCache
 
 
 class CapacityError(ValueError):
@@ -21,50 +24,76 @@ class CapacityError(ValueError):
 
 
 class Branch:
-    def __init__(self, view: np.ndarray) -> None:
+    def __init__(self, view: np.ndarray, order: list[int]) -> None:
         self.view = view
-        self.length = int(view.sum())  # tokens it sees: the position of its next token
+        self.order = order  # the slot of each token it sees, in position order
+
+    @property
+    def length(self) -> int:
+        """Tokens it sees: the position of its next token."""
+        return len(self.order)
 
 
 class Forest:
-    def __init__(self, runner: ModelRunner, max_rows: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, max_rows: int | None = None, prefix_cache: bool = False) -> None:
         """`max_rows` caps the rows per call (default: the largest graph's T); more rows are split
-        into several calls per step, each seeing only the cache and its own branch's rows."""
+        into several calls per step, each seeing only the cache and its own branch's rows.
+        `prefix_cache` keeps finished branches' KV for later prompts (exact on batch-invariant graphs)."""
         largest = max(g.tokens for g in runner.graphs.values())
         if max_rows is not None and not 1 <= max_rows <= largest:
             raise ValueError(f"rows per call must lie in [1, {largest}] (the largest compiled graph), got {max_rows}")
         self.runner = runner
         self.max_rows = max_rows or largest
         self.live: list[Branch] = []
-        runner.rewind(0)
+        self.cache = PrefixCache(runner.context) if prefix_cache else None
 
     def root(self, prompt: np.ndarray | None = None) -> tuple[Branch, np.ndarray | None]:
         """A branch holding the prompt (prefilled into slots 0.., exactly as a single sequence is)
         and the prompt's last logits; an empty branch without a prompt."""
-        view = np.zeros(self.runner.context, dtype=bool)
-        logits = None
+        logits, order = None, []
         if prompt is not None and len(prompt):
-            if self.live:
+            if self.live or self.cache is not None:
                 raise ValueError("a prompt is prefilled into slots 0..: only before any other branch exists")
-            self.runner.rewind(0)
-            logits = self.runner.prefill(prompt).copy()
-            view[: len(prompt)] = True
-        branch = Branch(view)
+            logits = self.runner.start(prompt).copy()
+            order = list(range(len(prompt)))
+        return self.attach(order), logits
+
+    def cached_prefix(self, prompt: list[int]) -> list[int]:
+        """The slots of the longest cached prefix of `prompt` but its last token (which must be fed to
+        give logits): `attach` them, then feed `prompt[branch.length:]`."""
+        if self.cache is None or len(prompt) < 2:
+            return []
+        return self.cache.match(np.asarray(prompt[:-1], dtype=np.int64)).tolist()
+
+    def attach(self, order: list[int]) -> Branch:
+        """A new branch that sees these slots (positions 0.. in this order)."""
+        view = np.zeros(self.runner.context, dtype=bool)
+        view[order] = True
+        branch = Branch(view, order)
         self.live.append(branch)
-        return branch, logits
+        return branch
 
     def fork(self, branch: Branch) -> Branch:
-        child = Branch(branch.view.copy())
+        child = Branch(branch.view.copy(), list(branch.order))
         self.live.append(child)
         return child
 
     def release(self, branch: Branch) -> None:
         self.live.remove(branch)
 
-    def free_slots(self) -> int:
-        return int((~self._used()).sum())
+    def keep(self, branch: Branch, tokens: list[int]) -> None:
+        """Release a finished branch into the prefix cache; `tokens` is its sequence (tokens past what
+        it holds, like the last sampled one, have no KV and are left out)."""
+        self.release(branch)
+        if self.cache is not None:
+            n = min(len(tokens), branch.length)
+            self.cache.insert(np.asarray(tokens[:n], dtype=np.int64), np.asarray(branch.order[:n], dtype=np.int64))
 
-    def _used(self) -> np.ndarray:
+    def free_slots(self) -> int:
+        """Slots no live branch sees (cached ones included: they are given back on demand)."""
+        return int((~self.pinned()).sum())
+
+    def pinned(self) -> np.ndarray:
         used = np.zeros(self.runner.context, dtype=bool)
         for b in self.live:
             used |= b.view
@@ -80,8 +109,9 @@ class Forest:
         """Append each chain of tokens to its (distinct) branch; return the logits of each chain's last
         keep[i] rows ([keep[i], V] each) and the slots each chain's tokens went into (for `trim`).
 
-        All rows go in as few calls as the graphs allow; a row sees its branch's view and the rows
-        of its own chain before it in the same call. check=False: NaN/Inf rows are returned, not raised.
+        All rows go in the cheapest calls by the compiler's measured costs (runner.plan); a row sees
+        its branch's view and the rows of its own chain before it (in its call or an earlier one).
+        check=False: NaN/Inf rows are returned, not raised.
         """
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
@@ -97,19 +127,20 @@ class Forest:
         slots = self._allocate(len(tokens))
         first_kept = np.cumsum(lengths) - np.asarray(keep)  # row index of each chain's first kept row
         out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) for k in keep]
-        for s in range(0, len(tokens), self.max_rows):
-            rows = np.arange(s, min(s + self.max_rows, len(tokens)))
+        s = 0
+        for graph, n in self.runner.plan(len(tokens), self.max_rows):
+            rows, s = np.arange(s, s + n), s + n
             o = owner[rows]
             sees = (o[:, None] == o[None, :]) & np.tri(len(rows), dtype=bool)
             cache_sees = np.stack([branches[b].view for b in o])
-            logits = self.runner.run_rows(self.runner.graph_for(len(rows)), tokens[rows], cache_sees, sees, check)
-            self.runner.store(rows - s, slots[rows])
+            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, sees, check)
+            self.runner.store(rows - rows[0], slots[rows])
             for b in np.unique(o):
-                mine = rows[o == b]
-                branches[b].view[slots[mine]] = True
-                branches[b].length += len(mine)
+                mine = slots[rows[o == b]]
+                branches[b].view[mine] = True
+                branches[b].order.extend(mine.tolist())
             for r in rows[rows >= first_kept[o]]:
-                out[owner[r]][r - first_kept[owner[r]]] = logits[r - s]
+                out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0]]
         bounds = np.cumsum(lengths)[:-1]
         return out, np.split(slots, bounds)
 
@@ -119,10 +150,15 @@ class Forest:
         if not branch.view[slots].all():
             raise ValueError("trim: the branch does not hold every one of these slots")
         branch.view[slots] = False
-        branch.length -= len(slots)
+        gone = set(slots.tolist())
+        branch.order = [s for s in branch.order if s not in gone]
 
     def _allocate(self, n: int) -> np.ndarray:
-        free = np.flatnonzero(~self._used())
+        pinned = self.pinned()
+        if self.cache is not None:
+            self.cache.evict(n, pinned)
+            pinned |= self.cache.held
+        free = np.flatnonzero(~pinned)
         if len(free) < n:
             raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "
                                 f"{self.runner.context} are free")

@@ -33,8 +33,7 @@ from runtime.speculative import make_drafter, speculative
 def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rng) -> Iterator[int]:
     """The hot loop: prefill, then one decode call per token until the context is full."""
     tlm = art.tlm
-    tlm.rewind(0)
-    token = next_token(tlm.prefill(prompt), params, rng)
+    token = next_token(tlm.start(prompt), params, rng)
     while True:
         yield token
         if tlm.length >= tlm.context:
@@ -99,6 +98,7 @@ class Generation:
         decode = total - ttft
         metrics = Metrics(
             prompt_tokens=len(self.prompt_ids),
+            cached_prompt_tokens=self.art.tlm.reused,
             new_tokens=len(ids),
             ttft_s=ttft,
             decode_s=decode,

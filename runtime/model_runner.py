@@ -6,9 +6,11 @@ The cache is host-owned: slot s holds the token at position s of the committed s
 `length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
 as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
 token tree), so rows left out are never attended to again, and a rewind (purging committed
-speculative tokens) is just a smaller `length`. Forests of sequences over one cache
-(runtime/forest.py) use the general pair underneath: `run_rows` (each row sees the slots its mask
-row names) and `store` (rows' KV into chosen slots).
+speculative tokens) is just a smaller `length`. The runner remembers which token each committed
+slot holds, so a prompt that starts with the committed tokens prefills only the rest (`start`;
+exact because batch-invariant graphs give a row the same KV whatever call computed it). Forests
+of sequences over one cache (runtime/forest.py) use the general pair underneath: `run_rows` (each
+row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs.
 """
@@ -62,12 +64,16 @@ class ModelRunner:
         kv_shape = (1, d.n_kv_heads, context_length, d.head_dim)
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
+        self.history = np.zeros(context_length, dtype=np.int64)  # the token in each committed slot
+        self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
+        self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self.graphs = {
             name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
             for name, g in entry.graphs.items()
         }
+        self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
@@ -97,6 +103,10 @@ class ModelRunner:
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
         return graph_io.fitting_graph({name: g.tokens for name, g in self.graphs.items()}, rows)
+
+    def plan(self, rows: int, max_rows: int | None = None) -> list[tuple[str, int]]:
+        """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls)."""
+        return graph_io.plan_calls({name: (g.tokens, g.cost_ms) for name, g in self.entries.items()}, rows, max_rows)
 
     def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None) -> np.ndarray:
         """Process `tokens` as new rows after the `length` committed slots; return their logits [n, V].
@@ -150,11 +160,15 @@ class ModelRunner:
         if start + m > self.context:
             raise ValueError(f"{start + m} tokens exceed the context length {self.context}")
         self.store(rows, np.arange(start, start + m))
+        self.history[start : start + m] = self._last.input_ids[0, rows]
         self.length = start + m
 
     def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """Write the KV of these rows of the last call into these cache slots (one slot per row)."""
+        """Write the KV of these rows of the last call into these cache slots (one slot per row).
+        Committed slots from the first one written on are no longer the committed sequence."""
         m = len(rows)
+        if m:
+            self.length = min(self.length, int(slots.min()))
         chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
         for cache, new in zip(self.cache, self._last.new_kv, strict=True):
             if chain:  # contiguous on both sides: one slice copy
@@ -176,11 +190,22 @@ class ModelRunner:
             raise ValueError(f"cannot rewind to {length} (valid length {self.length})")
         self.length = length
 
+    def start(self, prompt: np.ndarray) -> np.ndarray:
+        """Begin a sequence: keep the committed slots that already hold a prefix of `prompt` (all but its
+        last token at most), prefill the rest, return the last token's logits."""
+        keep = 0
+        if self.reuse:
+            n = min(self.length, len(prompt) - 1)
+            differ = np.flatnonzero(self.history[:n] != prompt[:n])
+            keep = int(differ[0]) if len(differ) else max(n, 0)
+        self.rewind(keep)
+        self.reused = keep
+        return self.prefill(prompt[keep:])
+
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Process a prompt in chunks of the prefill graph's T; return the last token's logits."""
-        chunk = self.graphs[graph_io.PREFILL].tokens
-        logits = None
-        for s in range(0, len(tokens), chunk):
-            logits = self.forward(graph_io.PREFILL, tokens[s : s + chunk])
-        assert logits is not None, "empty prompt"
+        """Process a prompt in the cheapest chunks (`plan`); return the last token's logits."""
+        s, logits = 0, None
+        for graph, n in self.plan(len(tokens)):
+            logits = self.forward(graph, tokens[s : s + n])
+            s += n
         return logits[-1]

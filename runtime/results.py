@@ -12,6 +12,7 @@ from runtime.tokenizer import Tokenizer
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, found in the cache from an earlier call (not prefilled)
     new_tokens: int = 0
     ttft_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0

@@ -2,7 +2,7 @@
 
 Each in-flight request is one branch of the forest over the shared KV cache (runtime/forest.py):
 a step feeds every live request's newest token (and the prompts of requests admitted this step)
-as rows of as few calls as the graphs allow, then samples each request's next token from its own
+as rows of the cheapest calls the graphs allow, then samples each request's next token from its own
 row with its own random stream. Requests join and leave between steps. A request is admitted
 only when the cache has room for its prompt and all its new tokens besides what the admitted
 requests may still need, so a running request never runs out of slots; the waiting queue is
@@ -12,6 +12,10 @@ A request may speculate (request.Speculation): its row chain is then its newest 
 round's drafts, scored in the same call as everyone else's rows, verified exactly
 (runtime/rejection.py), and its rejected rows are trimmed from its branch. Draft-model drafts
 come from a second forest over the DLM's cache, every drafting request's i-th draft in one call.
+
+With the prefix cache (on for batch-invariant artifacts), a finished request's KV stays in the
+forest, and a new request whose prompt starts with cached tokens (a chat's system prompt and
+earlier turns) prefills only the rest; its output is bitwise the same as a cold run's.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common import graph_io
 from runtime.artifact import Artifact
 from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import Branch, CapacityError, Forest
@@ -67,6 +70,7 @@ class Request:
     dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
     dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
     cancelled: bool = False
+    cached: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     first_token: float | None = None
@@ -116,13 +120,21 @@ class Request:
 
 class Scheduler:
     def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None, prefix_cache: bool | None = None) -> None:
+        """`prefix_cache` (default: on when the artifact is batch invariant) reuses finished requests'
+        KV for later prompts that start with the same tokens."""
+        invariant = art.manifest.models["tlm"].batch_invariant
+        if prefix_cache and not invariant:
+            raise ValueError("the prefix cache needs a batch-invariant artifact (KV reused from another call "
+                             "must equal a cold prefill bit for bit): rebuild with batch_invariant = true")
+        self.prefix_cache = invariant if prefix_cache is None else prefix_cache
         self.art, self.max_queue, self.on_finish = art, max_queue, on_finish
         self.max_batch = max_batch or art.manifest.context_length
         self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
-                          drafted=0, accepted=0)
+                          drafted=0, accepted=0, prompt_tokens=0, cached_prompt_tokens=0, prefix_cache_tokens=0,
+                          prefix_cache_evicted=0)
         self._wake = threading.Condition()
         self.policy = BatchDraftPolicy(self._call_ms)
         self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
@@ -190,15 +202,22 @@ class Scheduler:
                 group[0].leader = None
                 for req in group[1:]:
                     req.leader = group[0]
-            need, dlm_need = sum(r.need for r in group), sum(r.dlm_need for r in group)
+            hit = forest.cached_prefix(group[0].prompt) if group else []
+            newly_pinned = int((~forest.pinned()[hit]).sum())  # cached slots no live request sees yet
+            need = sum(r.need for r in group) - len(hit) + newly_pinned
+            dlm_need = sum(r.dlm_need for r in group)
             if group and (need > room or dlm_need > dlm_room):
                 self.waiting[0] = group
                 break  # first come, first served: no overtaking that could starve a long request
             self.waiting.popleft()
             room, dlm_room = room - need, dlm_room - dlm_need
+            if group:
+                self.stats["prompt_tokens"] += len(group[0].prompt)
+                self.stats["cached_prompt_tokens"] += len(hit)
             for req in group:
                 if req.leader is None:
-                    req.branch, _ = forest.root()
+                    req.branch = forest.attach(hit)
+                req.cached = len(hit)
                 req.admitted = time.perf_counter()
                 self.live.append(req)
                 admitted.append(req)
@@ -206,7 +225,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         with self.art.exclusive("scheduler"):
-            forest = Forest(self.art.tlm)
+            forest = Forest(self.art.tlm, prefix_cache=self.prefix_cache)
             dlm = Forest(self.art.dlm) if "dlm" in self.art.runners else None
             while True:
                 with self._wake:
@@ -232,13 +251,13 @@ class Scheduler:
             self._finish(forest, dlm, req, "cancelled")
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
             if req.branch is None and req.leader not in self.live:
-                req.leader, req.branch = None, forest.root()[0]
+                req.leader, req.branch = None, forest.attach(forest.cached_prefix(req.prompt))
         proposals = self._propose(forest, dlm, [r for r in self.live if r.spec and id(r) not in admitted])
         fed = [r for r in self.live if r.branch is not None]
         if not fed:
             return
-        chains = [req.prompt if id(req) in admitted else [req.tokens[-1], *proposals.get(id(req), NONE).tokens]
-                  for req in fed]
+        chains = [req.prompt[req.branch.length:] if id(req) in admitted  # past its cached prefix
+                  else [req.tokens[-1], *proposals.get(id(req), NONE).tokens] for req in fed]
         keep = [1 if id(r) in admitted else len(c) for r, c in zip(fed, chains, strict=True)]  # drafts: every row
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False)
@@ -280,6 +299,9 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
         self.stats["busy_s"] += elapsed
+        if forest.cache is not None:
+            self.stats["prefix_cache_tokens"] = forest.cache.tokens
+            self.stats["prefix_cache_evicted"] = forest.cache.evicted
 
     def _propose(self, forest: Forest, dlm: Forest | None, reqs: list[Request]) -> dict[int, Proposal]:
         """This round's drafts of each speculating request: prompt lookup's match, or a chain sampled
@@ -325,20 +347,17 @@ class Scheduler:
         return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
 
     def _call_ms(self, role: str, rows: int) -> tuple[float, int]:
-        """The compiler's measured cost of `rows` rows in as few calls as the graphs allow (1 ms a call
-        where nothing was measured), and the number of calls."""
-        graphs = self.art.manifest.models[role].graphs
-        sizes = {name: g.tokens for name, g in graphs.items()}
-        full, rest = divmod(rows, max(sizes.values()))
-
-        def cost(n: int) -> float:
-            return graphs[graph_io.fitting_graph(sizes, n)].cost_ms or 1.0
-
-        return full * cost(max(sizes.values())) + (cost(rest) if rest else 0.0), full + bool(rest)
+        """The compiler's measured cost of `rows` rows in the cheapest calls (1 ms a call where nothing
+        was measured), and the number of calls."""
+        runner = self.art.runners[role]
+        plan = runner.plan(rows)
+        return sum(runner.entries[graph].cost_ms or 1.0 for graph, _ in plan), len(plan)
 
     def _finish(self, forest: Forest, dlm: Forest | None, req: Request, reason: str, error: str | None = None
                 ) -> None:
-        if req.branch is not None:
+        if req.branch is not None and reason != "error":  # an error's KV may be incomplete: not kept
+            forest.keep(req.branch, req.prompt + req.tokens)
+        elif req.branch is not None:
             forest.release(req.branch)
         if req.dlm_branch is not None:
             dlm.release(req.dlm_branch)

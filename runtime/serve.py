@@ -87,7 +87,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
 COUNTERS = {  # metric (without the _total Prometheus adds) -> scheduler.stats key
     "requests": "requests", "requests_finished": "finished", "requests_cancelled": "cancelled",
     "requests_rejected": "rejected", "generated_tokens": "tokens", "steps": "steps", "tlm_calls": "calls",
-    "drafted_tokens": "drafted", "accepted_tokens": "accepted"}
+    "drafted_tokens": "drafted", "accepted_tokens": "accepted", "prompt_tokens": "prompt_tokens",
+    "prefix_cache_hit_tokens": "cached_prompt_tokens", "prefix_cache_evicted_tokens": "prefix_cache_evicted"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 HISTOGRAMS = {  # metric -> (Request.timings key, help)
     "request_queue_time_seconds": ("queue_s", "time a request waited before it was admitted"),
@@ -120,6 +121,7 @@ class Metrics:
             ("tokens_per_second", s["tokens"] / s["busy_s"] if s["busy_s"] else 0.0, "tokens per busy second"),
             ("acceptance_rate", s["accepted"] / s["drafted"] if s["drafted"] else 0.0, "accepted / drafted"),
             ("queue_depth", len(sch.waiting), "requests waiting"), ("batch_occupancy", len(sch.live), "live requests"),
+            ("prefix_cache_tokens", s["prefix_cache_tokens"], "finished requests' tokens kept for reuse"),
         ]:
             yield GaugeMetricFamily(f"mxspd_{name}", text, value=value)
 
@@ -128,12 +130,13 @@ class Metrics:
 
 
 def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, prefix_cache: bool | None = None) -> FastAPI:
     """The app serving `art`; `speculation` is the method a request that names none uses (None: off);
-    with `api_key`, /v1/ routes need `Authorization: Bearer <api_key>`."""
+    with `api_key`, /v1/ routes need `Authorization: Bearer <api_key>`; `prefix_cache` (default: on
+    for batch-invariant artifacts) reuses finished requests' KV for prompts that start the same."""
     name = name or art.manifest.name
     batched_speculation(art, speculation or False)  # a bad default fails at start, not per request
-    scheduler = Scheduler(art, max_queue=max_queue)
+    scheduler = Scheduler(art, max_queue=max_queue, prefix_cache=prefix_cache)
     metrics = Metrics(scheduler)
     scheduler.on_finish = metrics.observe
     app = FastAPI(title="mxspd", lifespan=None)
@@ -249,10 +252,14 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
     if errors:
         return _error(500, errors[0], "server_error")
     choices = [_choice(kind, i, o.text, o.finish) for i, o in enumerate(outputs)]
+    return {"object": kind, **meta, "choices": choices, "usage": _usage(len(ids), reqs, outputs)}
+
+
+def _usage(prompt: int, reqs: list, outputs: list) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt tokens the prefix cache held."""
     completion = sum(len(o.tokens) for o in outputs)
-    return {"object": kind, **meta, "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                      "total_tokens": len(ids) + completion}}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": reqs[0].cached}}
 
 
 class _Output:
@@ -326,9 +333,7 @@ async def _stream(scheduler: Scheduler, reqs: list, events: asyncio.Queue, outpu
                     chunks.append(f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [choice]})}\n\n")
             yield "".join(chunks)
         if usage_prompt is not None:
-            completion = sum(len(o.tokens) for o in outputs)
-            usage = {"prompt_tokens": usage_prompt, "completion_tokens": completion,
-                     "total_tokens": usage_prompt + completion}
+            usage = _usage(usage_prompt, reqs, outputs)
             yield f"data: {json.dumps({'object': chunk_kind, **meta, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a client that went away: free its sequences at the next step
@@ -372,12 +377,15 @@ def main(argv: list[str] | None = None) -> int:
                    "machine with a small model, 1 can be faster)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV})")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: finished requests' KV is reused by prompts that start "
+                        "with the same tokens, as a chat's later turns do; outputs are the same bits either way)")
     args = p.parse_args(argv)
     check_exposure(args.host, args.api_key)
     art = load_artifact(args.artifact, threads=args.threads)
     try:
         app = create_app(art, args.model_name, args.max_queue, None if args.speculation == "none" else args.speculation,
-                         args.api_key)
+                         args.api_key, False if args.no_prefix_cache else None)
     except (ValueError, ArtifactError) as exc:
         p.error(str(exc))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -140,9 +140,8 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
                 rng: np.random.Generator, stats_out: dict) -> Iterator[int]:
     """Prefill, then rounds of propose, score in one TLM call, verify, commit, until the context is full."""
     tlm, stats = art.tlm, RoundStats()
-    tlm.rewind(0)
     calls0 = tlm.calls
-    token = next_token(tlm.prefill(prompt), params, rng)
+    token = next_token(tlm.start(prompt), params, rng)
     committed = [*prompt.tolist(), token]
     drafter.start(committed)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from transformers import (
     Qwen2Config,
 )
 
+import runtime
 from common.recipe import ModelSpec, Recipe
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
@@ -80,3 +82,39 @@ def artifact_dir(tmp_path_factory, checkpoints) -> Path:
         tiny_recipe(), out, tlm=str(checkpoints["llama-gqa"]), dlm=str(checkpoints["draft"]),
         progress=False,
     )
+
+
+FORMATS = {
+    "float32": ModelSpec(model=""),
+    "float16": ModelSpec(model="", dtype="float16"),
+    "mx-fused": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"),
+    "mx-native": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="native"),
+    "mx-exact": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="exact"),
+}
+
+
+@pytest.fixture(scope="session")
+def flat(tmp_path_factory):
+    """llama-gqa with its random-init, near-uniform logits (not sharpened): near-ties everywhere."""
+    torch.manual_seed(11)
+    path = tmp_path_factory.mktemp("flat") / "ck"
+    AutoModelForCausalLM.from_config(CONFIGS["llama-gqa"]()).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+_built: dict = {}
+
+
+def artifact(flat, checkpoints, tmp_path_factory, fmt: str, invariant: bool = True, dlm: bool = False):
+    """The `flat` TLM compiled in weight format `fmt` (FORMATS), with the draft model as DLM if `dlm`;
+    built once per session."""
+    key = (fmt, invariant, dlm)
+    if key not in _built:
+        recipe = replace(tiny_recipe(), tlm=FORMATS[fmt], dlm=ModelSpec(model="") if dlm else None,
+                         batch_invariant=invariant, speculative=False)
+        out = tmp_path_factory.mktemp("inv") / f"{fmt}-{invariant}-{dlm}"
+        _built[key] = runtime.load_artifact(build_artifact(recipe, out, tlm=str(flat),
+                                                           dlm=str(checkpoints["draft"]) if dlm else None,
+                                                           progress=False))
+    return _built[key]

@@ -10,54 +10,14 @@ attention sums past and new keys in two parts whose split follows where a key is
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 import runtime
 from common import graph_io
-from common.recipe import ModelSpec
 from compiler.targets import compiled_session_options
-from export.pipeline import build_artifact
-from recipes.default_pair import byte_tokenizer
-from tests.conftest import CONFIGS, tiny_recipe
-
-FORMATS = {
-    "float32": ModelSpec(model=""),
-    "float16": ModelSpec(model="", dtype="float16"),
-    "mx-fused": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"),
-    "mx-native": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="native"),
-    "mx-exact": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="exact"),
-}
-
-
-@pytest.fixture(scope="module")
-def flat(tmp_path_factory):
-    """llama-gqa with its random-init, near-uniform logits (not sharpened): near-ties everywhere."""
-    torch.manual_seed(11)
-    path = tmp_path_factory.mktemp("flat") / "ck"
-    AutoModelForCausalLM.from_config(CONFIGS["llama-gqa"]()).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
-
-
-_built: dict = {}
-
-
-def artifact(flat, checkpoints, tmp_path_factory, fmt: str, invariant: bool = True, dlm: bool = False):
-    key = (fmt, invariant, dlm)
-    if key not in _built:
-        recipe = replace(tiny_recipe(), tlm=FORMATS[fmt], dlm=ModelSpec(model="") if dlm else None,
-                         batch_invariant=invariant, speculative=False)
-        out = tmp_path_factory.mktemp("inv") / f"{fmt}-{invariant}-{dlm}"
-        _built[key] = runtime.load_artifact(build_artifact(recipe, out, tlm=str(flat),
-                                                           dlm=str(checkpoints["draft"]) if dlm else None,
-                                                           progress=False))
-    return _built[key]
+from tests.conftest import FORMATS, artifact
 
 
 class Graphs:

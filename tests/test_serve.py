@@ -54,7 +54,9 @@ def test_routes_and_a_greedy_completion_equal_to_generate(served, reference):
                                              "temperature": 0}).json()
     assert r["object"] == "text_completion" and r["choices"][0]["finish_reason"] == "length"
     assert r["choices"][0]["text"] == _greedy(reference, PROMPTS[1], 12).text
-    assert r["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 12, "total_tokens": 33}
+    cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert r["usage"] == {"prompt_tokens": len(PROMPTS[1]), "completion_tokens": 12, "total_tokens": 33,
+                          "prompt_tokens_details": {"cached_tokens": cached}}
     metrics = client.get("/metrics").text
     assert "mxspd_generated_tokens_total" in metrics and "mxspd_queue_depth 0" in metrics
 
@@ -361,8 +363,10 @@ def test_metrics_are_prometheus_with_latency_histograms(served):
     from prometheus_client.parser import text_string_to_metric_families
 
     _, client = served
-    for _ in range(2):
-        assert client.post("/v1/completions", json={"prompt": [0, 40, 41], "max_tokens": 4}).status_code == 200
+    prompt = [0, 40, 41, 42, 43, 44, 45]
+    cached = [client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).json()["usage"]
+              ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    assert cached[1] == len(prompt) - 1  # the second found all but the last prompt token in the prefix cache
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
     for name in ("request_queue_time_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds"):
@@ -376,3 +380,5 @@ def test_metrics_are_prometheus_with_latency_histograms(served):
 
     assert total("mxspd_time_to_first_token_seconds") < total("mxspd_e2e_request_latency_seconds")
     assert families["mxspd_generated_tokens"].type == "counter"
+    hits = families["mxspd_prefix_cache_hit_tokens"].samples[0].value
+    assert hits >= len(prompt) - 1 and families["mxspd_prefix_cache_tokens"].samples[0].value > 0

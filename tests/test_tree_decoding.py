@@ -140,14 +140,15 @@ def test_bad_method_settings_are_clear_errors(tlm_only, kwargs, word):
 
 
 def test_metrics_of_the_draft_free_methods(tlm_only):
+    prompt = [0, *[5, 6, 7] * 5, 5]
     for method in METHODS:
-        r = runtime.generate(tlm_only, [0, *[5, 6, 7] * 5, 5], max_new_tokens=30, speculative=method,
-                             **{method: METHODS[method][0]})
+        r = runtime.generate(tlm_only, prompt, max_new_tokens=30, speculative=method, **{method: METHODS[method][0]})
         s = r.metrics.speculative
         assert s["method"] == method and s["accepted"] <= s["drafted"]
         steps = s["rounds"] + s["plain_decode_steps"]
         assert s["tokens_per_tlm_call"] == pytest.approx((len(r.token_ids) - 1) / steps)
-        assert s["tlm_calls"] == steps + 3  # and 3 prefill chunks
+        prefilled = len(prompt) - r.metrics.cached_prompt_tokens  # a repeated prompt reuses the cache
+        assert s["tlm_calls"] == steps + len(tlm_only.tlm.plan(prefilled))  # and the prefill's calls
         assert s["tokens_per_tlm_call"] > 1.2  # a repetitive prompt: several tokens per call
         if method == "lookahead":
             assert s["lookahead_steps"] == s["rounds"]  # window steps are rounds, even without candidates

@@ -25,7 +25,7 @@ from benchmarks.decode import TLM, checkpoint
 from common import graph_io
 from common.graph_io import ModelDims
 from common.onnx_store import save_shared
-from compiler.targets import OFFLINE_LEVEL, session_options
+from common.targets import OFFLINE_LEVEL, session_options
 from export.loader import load_model
 from export.onnx_export import model_dims, trace_graph
 

@@ -23,8 +23,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from common.targets import session_options
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
-from compiler.targets import session_options
 
 K, N = 1024, 8192
 ROWS = (1, 2, 3, 5, 9)

@@ -32,7 +32,7 @@ import runtime
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.variants import build_cached, variant
 from common.resources import DoesNotFitError
-from compiler.targets import PROVIDERS
+from common.targets import PROVIDERS
 from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
 from runtime.request import check_draft_length

@@ -5,7 +5,7 @@
                                     [--artifact DIR] [--speculation none|draft|prompt_lookup]
     python -m benchmarks.serve_load --chat --artifact DIR [--turns 4] [--rounds 3] [--max-tokens 24]
 
-Starts `python -m runtime.serve` in its own process (a free loopback port) for each TLM-only artifact of
+Starts `python -m serve` in its own process (a free loopback port) for each TLM-only artifact of
 benchmarks.multidecode (built once, cached), then for each client count C runs C threads that each
 send `--requests` greedy streaming completions one after another (bounded: C x requests in all).
 The client counts alternate for `--rounds` rounds (the machine is shared and noisy: a slow spell
@@ -44,11 +44,11 @@ PROMPTS = ["def binary_search(items, target):\n", "class Stack:\n    def __init_
 
 
 def serve(art_dir: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    """`python -m runtime.serve` in its own process (clients here must not share its GIL)."""
+    """`python -m serve` in its own process (clients here must not share its GIL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", art_dir, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "serve", art_dir, "--port", str(port),
                              "--model-name", "bench", *extra], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

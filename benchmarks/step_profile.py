@@ -5,7 +5,7 @@ useful part, not the sum).
     python -m benchmarks.step_profile ARTIFACT [--model tlm] [--graph decode] [--calls 30]
 
 Inputs are zeros with a full attention mask (the cost of a decode step does not depend on the
-values). Sessions are made as the runtime makes them (compiler.targets.compiled_session_options).
+values). Sessions are made as the runtime makes them (common.targets.compiled_session_options).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from common.manifest import read_manifest
-from compiler.targets import compiled_session_options
+from common.targets import compiled_session_options
 
 _DTYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(bool)": np.bool_,
            "tensor(float16)": np.float16}

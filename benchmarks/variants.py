@@ -13,7 +13,7 @@ import onnx
 
 from common.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
 from common.recipe import Recipe
-from compiler.targets import platform_signature
+from common.targets import platform_signature
 from export.pipeline import build_artifact
 
 

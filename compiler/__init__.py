@@ -1,4 +1,4 @@
 """Turns exported graphs into a compiled artifact for one target (ort-cpu, ort-cuda): `compiler.build`.
 
-Nothing is imported here, so the runtime can read `compiler.targets` without onnx or torch.
+What a target means (providers, session options) is in `common/targets.py`, read by the runtime too.
 """

@@ -27,10 +27,10 @@ from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha
 from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
+from common.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
-from compiler.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 from kernels import MX_MATMUL, library_path
 
 EXPORT_INFO = "export.json"

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.graph_io import ModelDims
-from compiler.targets import PROVIDERS, compiled_session_options
+from common.targets import PROVIDERS, compiled_session_options
 
 
 def _feeds(dims: ModelDims, tokens: int, context: int) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ import sys
 
 from common.manifest import ArtifactError
 from common.recipe import SPECULATION_METHODS
-from compiler.targets import TargetUnavailableError
+from common.targets import TargetUnavailableError
 
 
 def main(argv: list[str] | None = None) -> int:

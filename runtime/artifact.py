@@ -14,7 +14,7 @@ import numpy as np
 
 from common.manifest import ArtifactError, Manifest, read_manifest
 from common.resources import check_memory
-from compiler.targets import check_prepacked, check_target
+from common.targets import check_prepacked, check_target
 from kernels import NATIVE_LOWERINGS, require_library
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
@@ -49,7 +49,7 @@ class Artifact:
         """
         me = threading.get_ident()
         if self._holder == "scheduler" and self._owner != me:
-            raise ArtifactBusyError(f"artifact {self.path} is served by a scheduler (runtime.serve): send "
+            raise ArtifactBusyError(f"artifact {self.path} is served by a scheduler (serve.app): send "
                                     "requests to it, or load the artifact a second time for direct use")
         if self._owner == me:
             raise ArtifactBusyError(

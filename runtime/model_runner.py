@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from compiler.targets import PROVIDERS, compiled_session_options
+from common.targets import PROVIDERS, compiled_session_options
 
 
 class NonFiniteLogitsError(RuntimeError):

@@ -17,9 +17,9 @@ import pytest
 from onnx import helper, numpy_helper
 
 import kernels
+from common.targets import session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
-from compiler.targets import session_options
 from kernels.layout import pack_columns, unpack_columns
 from quant import element_values, fake_quantize
 from quant.onnx_pass import quantize_model

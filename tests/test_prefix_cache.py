@@ -14,7 +14,7 @@ import pytest
 import runtime
 from runtime.prefix_cache import PrefixCache
 from runtime.request import batched_speculation, decoding
-from runtime.scheduler import Scheduler
+from serve.scheduler import Scheduler
 from tests.conftest import artifact
 
 

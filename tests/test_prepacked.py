@@ -18,11 +18,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import compiler.targets
+import common.targets
 import runtime
 from benchmarks.variants import heap_prepacked_copy
 from common.recipe import LookaheadSettings, ModelSpec, PromptLookupSettings
-from compiler.targets import TargetUnavailableError, platform_signature
+from common.targets import TargetUnavailableError, platform_signature
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from tests.conftest import tiny_recipe
@@ -89,11 +89,11 @@ def test_mapped_and_heap_prepacked_give_the_same_tokens(plain_dir, mx_fused_dir,
 
 def test_prepacked_for_another_platform_is_refused_naming_both(artifact_dir, tmp_path, monkeypatch):
     here = platform_signature()
-    monkeypatch.setattr(compiler.targets, "platform_signature", lambda: here | {"cpu_flags": "avx2 fma"})
+    monkeypatch.setattr(common.targets, "platform_signature", lambda: here | {"cpu_flags": "avx2 fma"})
     with pytest.raises(TargetUnavailableError, match=f"cpu_flags: artifact {here['cpu_flags']!r}, this machine "
                                                       "'avx2 fma'.*Re-run `python -m export`"):
         runtime.load_artifact(artifact_dir)
-    monkeypatch.setattr(compiler.targets, "platform_signature", lambda: here | {"onnxruntime": "9.9.9"})
+    monkeypatch.setattr(common.targets, "platform_signature", lambda: here | {"onnxruntime": "9.9.9"})
     with pytest.raises(TargetUnavailableError, match=f"onnxruntime: artifact '{here['onnxruntime']}', this "
                                                       "machine '9.9.9'"):
         runtime.load_artifact(artifact_dir)

@@ -12,7 +12,7 @@ from ray import serve
 
 import runtime
 from common.manifest import ArtifactError
-from runtime.ray_serve import application
+from serve.ray_serve import application
 
 PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, 77, 78]]
 

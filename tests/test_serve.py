@@ -19,8 +19,8 @@ import runtime
 from recipes.default_pair import byte_tokenizer
 from runtime import ArtifactBusyError, NonFiniteLogitsError
 from runtime.request import decoding
-from runtime.scheduler import Event, Scheduler
-from runtime.serve import _Output, _stream, create_app
+from serve.app import _Output, _stream, create_app
+from serve.scheduler import Event, Scheduler
 
 PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, *range(100, 130)], [0, 77, 78], [0, 200, 201, 202]]
 
@@ -338,7 +338,7 @@ def test_the_recipes_sampling_table_is_the_default_everywhere(checkpoints, tmp_p
 
 
 def test_an_api_key_guards_the_v1_routes(artifact_dir):
-    from runtime.serve import check_exposure
+    from serve.app import check_exposure
 
     with TestClient(create_app(runtime.load_artifact(artifact_dir), name="tiny", api_key="s3cret")) as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

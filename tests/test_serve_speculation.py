@@ -9,11 +9,11 @@ from fastapi.testclient import TestClient
 
 import runtime
 from export.pipeline import build_artifact
-from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import CapacityError, Forest
 from runtime.request import batched_speculation, decoding
-from runtime.scheduler import Scheduler
-from runtime.serve import create_app
+from serve.app import create_app
+from serve.batch_policy import BatchDraftPolicy
+from serve.scheduler import Scheduler
 from tests.conftest import tiny_recipe
 
 # Repeating prompts, so prompt lookup finds matches; one plain request rides along in every batch.
@@ -235,9 +235,9 @@ def test_the_batch_policy_probes_and_learns_host_time():
 
 
 @pytest.mark.parametrize("module, args, word", [
-    ("runtime.serve", ["--threads", "0"], "--threads: must be >= 1"),
-    ("runtime.serve", ["--max-queue", "-3"], "--max-queue: must be >= 1"),
-    ("runtime.ray_serve", ["--replicas", "0"], "--replicas: must be >= 1"),
+    ("serve.app", ["--threads", "0"], "--threads: must be >= 1"),
+    ("serve.app", ["--max-queue", "-3"], "--max-queue: must be >= 1"),
+    ("serve.ray_serve", ["--replicas", "0"], "--replicas: must be >= 1"),
 ])
 def test_server_clis_refuse_bad_numbers(artifact_dir, module, args, word, capsys):
     import importlib
@@ -248,7 +248,7 @@ def test_server_clis_refuse_bad_numbers(artifact_dir, module, args, word, capsys
 
 
 def test_the_server_cli_refuses_draft_speculation_without_a_draft_model(checkpoints, tmp_path, capsys):
-    from runtime.serve import main
+    from serve.app import main
 
     path = build_artifact(tiny_recipe(dlm=None), tmp_path / "tlm-only", tlm=str(checkpoints["llama-gqa"]),
                           progress=False)

@@ -13,7 +13,7 @@ import pytest
 from onnx import inliner, shape_inference
 
 from common import graph_io
-from compiler.targets import OFFLINE_LEVEL
+from common.targets import OFFLINE_LEVEL
 from export.onnx_export import model_dims, trace_graph
 from tests.conftest import make_model
 

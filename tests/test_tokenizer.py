@@ -71,7 +71,7 @@ def test_a_template_may_raise_and_a_missing_template_is_clear(pair):
 
 
 def test_the_runtime_and_the_server_import_neither_torch_nor_transformers():
-    code = ("import sys, runtime, runtime.serve, runtime.__main__; "
+    code = ("import sys, runtime, serve.app, runtime.__main__; "
             "print(sorted(m for m in ('torch', 'transformers', 'onnx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,6 +1,6 @@
-"""Scale-out on Ray Serve: the OpenAI-compatible app of runtime/serve.py as N replicas behind Ray's HTTP proxy.
+"""Scale-out on Ray Serve: the OpenAI-compatible app of serve/app.py as N replicas behind Ray's HTTP proxy.
 
-`python -m runtime.ray_serve ARTIFACT --replicas 2` starts (or joins, with --address) a Ray
+`python -m serve.ray_serve ARTIFACT --replicas 2` starts (or joins, with --address) a Ray
 instance and serves the same routes at http://HOST:PORT/v1/... Each replica is a Ray actor that
 loads the artifact and runs its own scheduler (one continuous batch per replica); Ray's proxy
 spreads requests over the replicas. Python: `serve.run(application(path, replicas=2))`.
@@ -17,7 +17,7 @@ from ray import serve
 
 from common.manifest import read_manifest
 from runtime.artifact import load_artifact
-from runtime.serve import API_KEY_ENV, check_exposure, create_app, positive
+from serve.app import API_KEY_ENV, check_exposure, create_app, positive
 
 
 @serve.ingress()
@@ -49,7 +49,7 @@ def application(artifact: str | os.PathLike, replicas: int = 1, name: str | None
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    p = argparse.ArgumentParser(prog="python -m runtime.ray_serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m serve.ray_serve", description=__doc__)
     p.add_argument("artifact")
     p.add_argument("--replicas", type=positive, default=1)
     p.add_argument("--host", default="127.0.0.1")

@@ -1,6 +1,6 @@
-"""`python -m runtime.serve ARTIFACT`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+"""`python -m serve ARTIFACT`: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-Every request becomes one sequence of the scheduler's forest (runtime/scheduler.py), so
+Every request becomes one sequence of the scheduler's forest (serve/scheduler.py), so
 concurrent requests share each TLM call (continuous batching). Routes: POST /v1/completions,
 POST /v1/chat/completions (streaming as server-sent events ending in `data: [DONE]`, or not),
 GET /v1/models, /health, /metrics (Prometheus, through prometheus_client: the scheduler's counters
@@ -33,12 +33,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.manifest import ArtifactError
-from runtime import scheduler as sched
 from runtime.artifact import Artifact, load_artifact
 from runtime.forest import CapacityError
 from runtime.request import batched_speculation, decoding, encode_prompt
 from runtime.results import TextPieces
-from runtime.scheduler import Event, QueueFullError, Scheduler
+from serve import scheduler as sched
+from serve.scheduler import Event, QueueFullError, Scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # ours -> OpenAI's finish_reason
 API_KEY_ENV = "MXSPD_API_KEY"
@@ -364,7 +364,7 @@ def check_exposure(host: str, api_key: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
     p.add_argument("artifact")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -390,7 +390,3 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

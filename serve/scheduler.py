@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.artifact import Artifact
-from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.prompt_lookup import lookup
 from runtime.proposal import Proposal
@@ -38,6 +37,7 @@ from runtime.rejection import verify_round
 from runtime.request import Decoding, Speculation
 from runtime.results import finish_reason
 from runtime.sampling import next_token, sample, warp
+from serve.batch_policy import BatchDraftPolicy
 
 NONE = Proposal()  # a plain step
 NON_FINITE = ("NonFiniteLogitsError: the model produced NaN/Inf logits for this request (damaged weights, or "

@@ -1,4 +1,7 @@
-"""What each target means for ONNX Runtime: providers, and the optimisation done ahead of time."""
+"""What each target means for ONNX Runtime: providers, and the optimisation done ahead of time.
+
+Read by the compiler (to build for a target) and the runtime (to open sessions the same way), so
+it lives with the shared types."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """MXFP6 decode speed by lowering, side by side in one run, on a recipe's TLM (default: the default recipe).
 
     python -m benchmarks.mx_decode [--recipe NAME] [--new-tokens 128] [--repeats 3] [--engines a,b,...] [--plain]
+                                   [--context N]
 
 Engines (ENGINES): float32; MXFP6 E2M3 through ONNX Runtime's MatMulNBits (`fused`, 8-bit codes and
 float32 scales: 9 bits per weight); through mxspd's native 6-bit kernel with int16 or int8
@@ -12,7 +13,8 @@ fraction of that floor reached, the length of the greedy output identical to flo
 teacher-forced top-1 agreement with float32 on it, and whether greedy prompt lookup and lookahead
 give exactly the autoregressive tokens. `--plain` also builds every engine with
 `batch_invariant = false` (named `<engine>:plain`; ONNX Runtime's MatMul and attention): the cost of
-batch invariance is the ratio of the two.
+batch invariance is the ratio of the two. `--context N` also builds every engine with N KV slots
+(`<engine>:ctxN`): what a larger cache capacity costs one request's decode (`speed_over_ctxN`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--prompt", default=LONG_ANSWER, help="a prompt whose greedy answer runs the whole --new-tokens")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}")
     ap.add_argument("--plain", action="store_true", help="also each engine built with batch_invariant = false")
+    ap.add_argument("--context", type=int, help="also each engine built with this context_length (KV slots): what a "
+                    "larger cache costs one request's decode")
     args = ap.parse_args()
     names = args.engines.split(",")
     if unknown := sorted(set(names) - set(ENGINES)):
@@ -75,11 +79,11 @@ def main() -> None:
         fmt, lowering, head = ENGINES[name]
         r = variant(recipe, fmt, lowering, with_dlm=False)
         r = replace(r, tlm=replace(r.tlm, mx_lm_head=head), max_new_tokens=args.new_tokens)
-        for plain in (False, True) if args.plain else (False,):
-            key = name + (":plain" if plain else "")
-            built = build_cached(replace(r, batch_invariant=not plain),
-                                 cache_root() / "bench" / f"{recipe.name}-{key.replace(':', '-')}")
-            arts[key] = runtime.load_artifact(built)
+        builds = {name: r} | ({f"{name}:plain": replace(r, batch_invariant=False)} if args.plain else {}) | (
+            {f"{name}:ctx{args.context}": replace(r, context_length=args.context)} if args.context else {})
+        for key, built in builds.items():
+            path = build_cached(built, cache_root() / "bench" / f"{recipe.name}-{key.replace(':', '-')}")
+            arts[key] = runtime.load_artifact(path)
     art0 = arts["fp32"]
     prompt = encode_prompt(art0, args.prompt)  # with the recipe's chat template
     n = args.new_tokens
@@ -118,9 +122,10 @@ def main() -> None:
                 m: runtime.generate(art, prompt, max_new_tokens=n, speculative=m).token_ids == ids[name]
                 for m in ("prompt_lookup", "lookahead")},
         }
-        if name.endswith(":plain"):
-            invariant = name.removesuffix(":plain")
-            report["engines"][invariant]["speed_over_plain"] = round(float(np.median(rows[invariant])) / med, 3)
+        base, _, kind = name.partition(":")
+        if kind:  # the engine's own build over this variant's
+            key = "speed_over_plain" if kind == "plain" else f"speed_over_{kind}"
+            report["engines"][base][key] = round(float(np.median(rows[base])) / med, 3)
     print(json.dumps(report, indent=2))
 
 

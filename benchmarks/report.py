@@ -60,6 +60,7 @@ def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, re
     runs: dict[str, list] = {name: [] for name in CONFIGS}
 
     def one(which: str, spd: bool, prompt: str):
+        arts[which].tlm.rewind(0)  # cold: a repeated prompt would find its prefix in the cache
         return runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd,
                                 draft_length=draft_length if spd else None)
 

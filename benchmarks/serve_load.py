@@ -43,23 +43,31 @@ PROMPTS = ["def binary_search(items, target):\n", "class Stack:\n    def __init_
            "def mean(values):\n", "class Counter:\n", "def parse_args(argv):\n", "def main():\n"]
 
 
-def serve(art_dir: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    """`python -m serve` in its own process (clients here must not share its GIL)."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "serve", art_dir, "--port", str(port),
-                             "--model-name", "bench", *extra], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, base: str, probe: str = "/health") -> str:
+    """Wait for a server process to answer `probe`; its completions URL."""
     deadline = time.time() + 120
-    while time.time() < deadline:
+    while time.time() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                return proc, f"{base}/v1/completions"
+            if httpx.get(f"{base}{probe}").status_code == 200:
+                return f"{base}/v1/completions"
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not start")
+    raise RuntimeError(f"the server did not start (exit code {proc.poll()})")
+
+
+def serve(art_dir: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`python -m serve` in its own process (clients here must not share its GIL)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serve", art_dir, "--port", str(port),
+                             "--model-name", "bench", *extra], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}")
 
 
 def one(url: str, prompt: str, max_tokens: int) -> dict:

@@ -41,7 +41,7 @@ def main() -> None:
     entry = manifest.models["tlm"]
     tmp = tempfile.TemporaryDirectory()
     dirs = {"mapped": Path(args.artifact), "heap": heap_prepacked_copy(Path(args.artifact), Path(tmp.name) / "a")}
-    runners = {mode: ModelRunner(d, entry, manifest.context_length) for mode, d in dirs.items()}
+    runners = {mode: ModelRunner(d, entry, manifest.capacity) for mode, d in dirs.items()}
     for r in runners.values():
         r.prefill(np.arange(4, 4 + args.context_used))
     rows = {}

@@ -46,7 +46,7 @@ class ModelEntry:
 class Manifest:
     name: str
     target: str
-    context_length: int
+    context_length: int  # the longest sequence, in positions
     prefill_chunk: int
     k: int
     batch_size: int
@@ -57,7 +57,13 @@ class Manifest:
     tools: dict[str, str]
     prepacked_for: dict[str, str] = field(default_factory=dict)  # platform the prepacked weights fit
     build_seconds: float = 0.0
+    kv_slots: int = 0  # KV cache slots, shared by a server's requests (0: context_length)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def capacity(self) -> int:
+        """The KV cache's slots (the graphs' cache dimension)."""
+        return self.kv_slots or self.context_length
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

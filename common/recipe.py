@@ -110,7 +110,8 @@ class Recipe:
     description: str = ""
     k: int = 4
     prefill_chunk: int = 32
-    context_length: int = 256
+    context_length: int = 256  # the longest sequence (prompt + new tokens), in positions
+    kv_slots: int = 0  # KV cache slots, shared by all of a server's requests (0: context_length)
     max_prompt_length: int = 128
     max_new_tokens: int = 128
     batch_size: int = 1
@@ -123,6 +124,11 @@ class Recipe:
     chat_template: bool = False
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     prompts: tuple[str, ...] = ()
+
+    @property
+    def capacity(self) -> int:
+        """The KV cache's slots: what every request in flight shares."""
+        return self.kv_slots or self.context_length
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,6 +203,9 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError(f"batch_size: only 1 is supported for now, got {recipe.batch_size}")
     if recipe.max_prompt_length >= recipe.context_length:
         raise RecipeError("max_prompt_length must be smaller than context_length")
+    if recipe.kv_slots and recipe.kv_slots < recipe.context_length:
+        raise RecipeError(f"kv_slots ({recipe.kv_slots}) must hold at least one whole sequence of context_length "
+                          f"({recipe.context_length}) slots, or be 0 (= context_length)")
     if recipe.prefill_chunk > recipe.context_length:
         raise RecipeError("prefill_chunk must not exceed context_length")
     if recipe.speculation not in SPECULATION_METHODS:

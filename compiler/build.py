@@ -210,6 +210,7 @@ def compile_artifact(
             name=recipe.name,
             target=recipe.target,
             context_length=recipe.context_length,
+            kv_slots=recipe.capacity,
             prefill_chunk=recipe.prefill_chunk,
             k=recipe.k,
             batch_size=recipe.batch_size,

@@ -186,7 +186,7 @@ def export_model(
     tensors: TensorSource,
     out_dir: Path,
     graph_tokens: dict[str, int],
-    context_length: int,
+    cache_slots: int,
     batch: int = 1,
     source: str = "",
     tokenizer_dir: Path | None = None,
@@ -201,7 +201,7 @@ def export_model(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    traced = {key: trace_structure(model, tokens, context_length, batch)
+    traced = {key: trace_structure(model, tokens, cache_slots, batch)
               for key, tokens in tqdm(graph_tokens.items(), desc=f"trace {role}", disable=not progress)}
     refs = unique_refs(r for _, r in traced.values())
     matmul = set().union(*(matmul_weights(graph.graph) for graph, _ in traced.values()))
@@ -219,7 +219,7 @@ def export_model(
         "dims": dims.to_dict(),
         "graphs": graph_tokens,
         "weights": WEIGHTS_FILE,
-        "context_length": context_length,
+        "context_length": cache_slots,  # the graphs' cache dimension
         "batch": batch,
         "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
     } | passes.info()

@@ -102,7 +102,7 @@ def build_artifact(
             exports[role] = Path(tmp) / role
             export_model(
                 model, checkpoint_tensors(dirs[role]), exports[role], graph_plan(recipe, role),
-                recipe.context_length, batch=recipe.batch_size, source=specs[role].model,
+                recipe.capacity, batch=recipe.batch_size, source=specs[role].model,
                 tokenizer_dir=dirs[role], passes=weight_passes(specs[role]), role=role, progress=progress,
             )
         return compile_artifact(exports, recipe, out_dir, progress=progress, force=force)

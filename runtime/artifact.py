@@ -91,7 +91,7 @@ def memory_needed(path: Path, manifest: Manifest) -> int:
     for entry in manifest.models.values():
         weights = path / entry.weights
         total += weights.stat().st_size // 2 if weights.is_file() else 0  # a missing file: refused when loaded
-        d, c = entry.dims, manifest.context_length
+        d, c = entry.dims, manifest.capacity
         kv = 2 * d.n_layers * d.n_kv_heads * d.head_dim * np.dtype(d.kv_dtype).itemsize
         total += kv * c * manifest.batch_size
         total += sum(g.tokens * (kv + 4 * (d.vocab_size + c + g.tokens)) for g in entry.graphs.values())
@@ -115,7 +115,7 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     except Exception as exc:  # noqa: BLE001 - a missing or damaged tokenizer file, whatever the parser raises
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
-        role: ModelRunner(path, entry, manifest.context_length, manifest.target, threads)
+        role: ModelRunner(path, entry, manifest.capacity, manifest.context_length, manifest.target, threads)
         for role, entry in manifest.models.items()
     }
     _return_freed_heap()

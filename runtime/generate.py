@@ -36,7 +36,7 @@ def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rn
     token = next_token(tlm.start(prompt), params, rng)
     while True:
         yield token
-        if tlm.length >= tlm.context:
+        if tlm.length >= tlm.max_length:
             return
         token = next_token(tlm.forward(graph_io.DECODE, np.array([token]))[0], params, rng)
 

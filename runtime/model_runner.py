@@ -54,17 +54,21 @@ class ModelRunner:
         self,
         artifact_dir: Path,
         entry: ModelEntry,
-        context_length: int,
+        slots: int,
+        max_length: int | None = None,
         target: str = "ort-cpu",
         threads: int | None = None,
     ) -> None:
+        """`slots`: the KV cache's slots (the graphs' cache dimension); `max_length`: the longest
+        sequence in positions (default: `slots`), less when a server's requests share the slots."""
         self.dims = entry.dims
-        self.context = context_length
+        self.context = slots
+        self.max_length = max_length or slots
         d = self.dims
-        kv_shape = (1, d.n_kv_heads, context_length, d.head_dim)
+        kv_shape = (1, d.n_kv_heads, slots, d.head_dim)
         self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
         self.length = 0
-        self.history = np.zeros(context_length, dtype=np.int64)  # the token in each committed slot
+        self.history = np.zeros(slots, dtype=np.int64)  # the token in each committed slot
         self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
         self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
@@ -131,8 +135,8 @@ class ModelRunner:
         if n > g.tokens:
             raise ValueError(f"{n} tokens do not fit graph {graph!r} (T = {g.tokens})")
         positions = np.sum(cache_sees, axis=-1) + sees.sum(axis=1) - 1
-        if positions.max() >= c:
-            raise ValueError(f"position {positions.max()} is past the context length {c}")
+        if positions.max() >= self.max_length:
+            raise ValueError(f"position {positions.max()} is past the context length {self.max_length}")
         g.input_ids[0, :n] = tokens
         g.input_ids[0, n:] = 0
         g.position_ids[0, :n] = positions

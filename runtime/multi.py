@@ -45,8 +45,14 @@ class MultiResult:
 
 
 def check_capacity(art: Artifact, shared: int, own: Sequence[int], max_new_tokens: int, what: str) -> None:
-    """Refuse up front a request whose branches cannot all reach max_new_tokens in the cache."""
-    context = art.manifest.context_length
+    """Refuse up front a request whose branches cannot all reach max_new_tokens in the cache, or whose
+    longest branch would pass the context length."""
+    longest = shared + max(own, default=0) + max_new_tokens - 1  # positions its last fed token needs
+    if longest > art.manifest.context_length:
+        raise CapacityError(f"{shared} prompt tokens + {max(own, default=0)} of the longest of the {what} + "
+                            f"{max_new_tokens - 1} new tokens = {longest} positions, past the context length "
+                            f"{art.manifest.context_length}: lower max_new_tokens or shorten the prompt")
+    context = art.manifest.capacity
     fed = len(own) * (max_new_tokens - 1)  # every new token but each branch's last enters the cache
     need = shared + sum(own) + fed
     if need > context:
@@ -55,8 +61,8 @@ def check_capacity(art: Artifact, shared: int, own: Sequence[int], max_new_token
         parts += [f"{len(own)} {what} x {max_new_tokens - 1} new tokens"]
         raise CapacityError(
             f"{' + '.join(parts)} = {need} cache slots, but the artifact's cache holds {context} "
-            f"(its context_length): lower the number of {what} or max_new_tokens, or export with a "
-            "larger context_length in the recipe"
+            f"(its kv_slots): lower the number of {what} or max_new_tokens, or export with more "
+            "kv_slots in the recipe"
         )
 
 

@@ -146,9 +146,9 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
     drafter.start(committed)
     try:
         yield token
-        while tlm.length < tlm.context:
+        while tlm.length < tlm.max_length:
             t0 = time.perf_counter()
-            proposal = drafter.propose(committed, room=tlm.context - 1 - tlm.length)
+            proposal = drafter.propose(committed, room=tlm.max_length - 1 - tlm.length)
             t1 = time.perf_counter()
             if proposal.empty:  # a plain decode step, as lean as the autoregressive loop's
                 logits = tlm.forward(graph_io.DECODE, np.array(committed[-1:]))

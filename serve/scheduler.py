@@ -129,7 +129,7 @@ class Scheduler:
                              "must equal a cold prefill bit for bit): rebuild with batch_invariant = true")
         self.prefix_cache = invariant if prefix_cache is None else prefix_cache
         self.art, self.max_queue, self.on_finish = art, max_queue, on_finish
-        self.max_batch = max_batch or art.manifest.context_length
+        self.max_batch = max_batch or art.manifest.capacity
         self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
@@ -160,7 +160,11 @@ class Scheduler:
             events: queue.Queue[Event] = queue.Queue()
             requests.append(Request(list(prompt), decoding, max_new, listener or events.put, events,
                                     leader=requests[0] if requests else None, spec=spec))
-        c = self.art.manifest.context_length
+        longest, most = len(prompt) + max(r.max_new_tokens for r in requests) - 1, self.art.manifest.context_length
+        if longest > most:
+            raise CapacityError(f"{len(prompt)} prompt tokens + {longest - len(prompt) + 1} new tokens need {longest} "
+                                f"positions, past the context length {most}: lower max_tokens")
+        c = self.art.manifest.capacity
         for cache, need in (("cache", sum(r.need for r in requests)), ("draft model's cache",
                                                                        sum(r.dlm_need for r in requests))):
             if need > c:
@@ -312,7 +316,7 @@ class Scheduler:
                                       max(r.spec.k for r in greedy)) if greedy else 0
         for req in reqs:
             room = min(req.spec.k if req.decoding.params.do_sample else k_greedy,
-                       forest.runner.context - 1 - req.branch.length)
+                       forest.runner.max_length - 1 - req.branch.length)
             if req.spec.method == "prompt_lookup":
                 s = req.spec.settings
                 found = lookup(np.asarray(req.prompt + req.tokens, np.int64), s.ngram, s.max_draft)

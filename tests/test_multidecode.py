@@ -72,7 +72,7 @@ def test_every_branch_equals_a_chain_forward_under_churn(art, max_rows):
     """Forks, releases and uneven extensions for many steps; slots are reused; after every step each
     extended branch's logits equal a plain chain forward of that branch's own tokens."""
     rng = np.random.default_rng(1)
-    ref = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.context_length)
+    ref = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.capacity)
     forest = Forest(art.tlm, max_rows=max_rows)
     root, _ = forest.root(np.array(PROMPT))
     tokens = {id(root): list(PROMPT)}
@@ -185,7 +185,7 @@ def test_fused_mx_branches_match_chain_forwards_within_the_kernels_noise(mx, def
     attention (a branch's slots are not contiguous) can move a logit by a few hundredths: branch logits stay
     within that of a chain forward, and greedy answers differ from single runs only at near-ties."""
     for target in (mx["fused"], default_pair["mxfp6"]):
-        ref = ModelRunner(target.path, target.manifest.models["tlm"], target.manifest.context_length)
+        ref = ModelRunner(target.path, target.manifest.models["tlm"], target.manifest.capacity)
         forest = Forest(target.tlm)
         root, _ = forest.root(np.array(PROMPT))
         branches = [forest.fork(root) for _ in range(4)]
@@ -346,7 +346,7 @@ def test_bad_requests_are_refused_before_any_work(art, call, word):
 
 
 def test_capacity_error_is_a_value_error_naming_the_numbers(art):
-    with pytest.raises(CapacityError, match="context_length"):
+    with pytest.raises(CapacityError, match="kv_slots"):
         runtime.generate(art, PROMPT, n=16, do_sample=True, max_new_tokens=20)
 
 

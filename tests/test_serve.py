@@ -172,7 +172,8 @@ def test_chat_completions_use_the_chat_template(served, reference):
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "model": "gpt-4"}, "unknown model"),
     ({"prompt": [0] * 200}, "context length"),
-    ({"prompt": [0, 5], "max_tokens": 500}, "cache holds"),
+    ({"prompt": [0, 5], "max_tokens": 500}, "past the context length"),
+    ({"prompt": [0, 5], "max_tokens": 60, "n": 4}, "cache holds"),  # each fits its context, not all 4 the slots
     ({"prompt": [0, 99999]}, "token ids must lie"),
     ({"prompt": ""}, "empty"),
     ({"prompt": "x", "stop": [""]}, "empty stop string"),

@@ -117,7 +117,7 @@ def test_valid_cache_after_rejections_equals_autoregressive_cache(arts):
     committed = np.array([0, 11, 12, 13] + r.token_ids[:-1])
     for role in ("tlm", "dlm"):
         live = art.runners[role]
-        fresh = ModelRunner(art.path, art.manifest.models[role], art.manifest.context_length)
+        fresh = ModelRunner(art.path, art.manifest.models[role], art.manifest.capacity)
         fresh.prefill(committed[: live.length])
         assert fresh.length == live.length >= len(committed) - 2
         for a, b in zip(live.cache, fresh.cache, strict=False):

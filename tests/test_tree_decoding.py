@@ -43,7 +43,7 @@ def hf(checkpoints):
 
 def chain_logits(art, tokens: list[int]) -> np.ndarray:
     """Logits of the last token of `tokens`, by a plain chain forward from an empty cache."""
-    fresh = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.context_length)
+    fresh = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.capacity)
     return fresh.prefill(np.array(tokens))
 
 

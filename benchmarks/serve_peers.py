@@ -1,0 +1,138 @@
+"""Our server against llama.cpp's OpenAI-compatible server on the same model: closed-loop clients and
+Poisson arrivals, chat requests, side by side in one run.
+
+    python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--clients 1,8] [--rates 0.5,1,2]
+                                     [--requests 16] [--max-tokens 64] [--threads 2] [--seed 0]
+
+Starts `python -m serve DIR` and `python -m llama_cpp.server --model FILE` (llama-cpp-python[server],
+a benchmark-only extra: `pip install -e ".[peers]"`), one after the other, on loopback. For each: the
+questions once, one at a time (each one's text alone), then `--requests` requests from C closed-loop
+clients for each C in `--clients` (each client sends its share one after another), then `--requests`
+requests arriving as a Poisson process at each rate in `--rates` (seeded: both servers get the same
+arrival times). Every request is a streamed greedy chat completion of `--max-tokens` tokens. Prints
+per workload: requests/s and output tokens/s (over the wall time from the first arrival to the last
+answer; tokens counted as streamed content chunks, one per token on both servers), TTFT and time
+per output token p50 / p99, and how many answers equal the same question's answer alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from benchmarks.serve_load import free_port, serve, wait_ready
+
+QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What is a dictionary?",
+             "Name three primary colors.", "What is the capital of Italy?", "How many days are in a week?",
+             "What is 12 times 12?", "Give two tips for writing clean code.", "What does HTTP stand for?",
+             "What is a unit test?", "Why is the sky blue?", "What is the boiling point of water?",
+             "How do I reverse a string in Python?", "What is recursion?", "Name a prime number above 50.",
+             "What is the largest planet?"]
+
+
+def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's OpenAI-compatible server on `gguf`, in its own process."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
+                             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"],
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models")
+
+
+def ask(url: str, question: str, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: its text, TTFT, total time and streamed tokens."""
+    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True})
+    where = urlsplit(url)
+    start, first, text, tokens = time.perf_counter(), None, "", 0
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read().decode()}")
+        while line := r.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            choices = json.loads(line[6:])["choices"]
+            piece = choices[0]["delta"].get("content") if choices else None
+            if piece:
+                first = first or time.perf_counter()
+                text, tokens = text + piece, tokens + 1
+    finally:
+        conn.close()
+    end = time.perf_counter()
+    return dict(question=question, text=text, ttft=(first or end) - start, total=end - start, tokens=tokens)
+
+
+def closed_loop(url: str, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
+    jobs = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda q: ask(url, q, max_tokens), jobs))
+    return results, time.perf_counter() - start
+
+
+def poisson(url: str, rate: float, requests: int, max_tokens: int, seed: int) -> tuple[list[dict], float]:
+    """`requests` requests whose gaps are exponential with mean 1/rate (seeded), each on its own thread."""
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, requests))
+    start = time.perf_counter()
+
+    def arrive(i: int) -> dict:
+        time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        return ask(url, QUESTIONS[i % len(QUESTIONS)], max_tokens)
+
+    with ThreadPoolExecutor(requests) as pool:
+        results = list(pool.map(arrive, range(requests)))
+    return results, time.perf_counter() - start - arrivals[0]
+
+
+def row(server: str, workload: str, results: list[dict], wall: float, alone: dict[str, str]) -> str:
+    ttft = np.array([r["ttft"] for r in results]) * 1e3
+    tpot = np.array([(r["total"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in results]) * 1e3
+    tokens = sum(r["tokens"] for r in results)
+    same = sum(alone[r["question"]] == r["text"] for r in results)
+    return (f"| {server} | {workload} | {len(results) / wall:.2f} | {tokens / wall:.1f} | "
+            f"{np.percentile(ttft, 50):.0f} / {np.percentile(ttft, 99):.0f} | "
+            f"{np.percentile(tpot, 50):.1f} / {np.percentile(tpot, 99):.1f} | {same}/{len(results)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", required=True, help="our artifact of the model (e.g. the default recipe's)")
+    ap.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests per second")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="threads per call on both servers")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")
+    print("|---|---|---|---|---|---|---|")
+    for server in ("mxspd", "llama.cpp"):
+        proc, url = (serve(args.artifact, ["--threads", str(args.threads)]) if server == "mxspd"
+                     else serve_llama_cpp(args.gguf, args.threads))
+        try:
+            alone = {q: ask(url, q, args.max_tokens)["text"] for q in QUESTIONS}  # warms up too
+            for clients in map(int, args.clients.split(",")):
+                results, wall = closed_loop(url, clients, args.requests, args.max_tokens)
+                print(row(server, f"{clients} clients", results, wall, alone), flush=True)
+            for rate in map(float, args.rates.split(",")):
+                results, wall = poisson(url, rate, args.requests, args.max_tokens, args.seed)
+                print(row(server, f"Poisson {rate:g}/s", results, wall, alone), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()

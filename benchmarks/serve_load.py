@@ -155,15 +155,16 @@ QUESTIONS = [["What is a Python list?", "How do I sort one?", "And in reverse or
              ["What is a unit test?", "Which module runs them?", "How do I skip one?", "Why would I?"]]
 
 
-def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """One streamed chat completion: (TTFT s, answer, prompt tokens found in the prefix cache)."""
-    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+def chat_turn(url: str, messages: list[dict], max_tokens: int, usage: bool = True) -> dict:
+    """One streamed greedy chat completion: its text, TTFT, total seconds, streamed tokens (content
+    chunks) and, with `usage` (mxspd's server), the prompt tokens found in the prefix cache."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}} if usage else {}
     where = urlsplit(url.replace("/completions", "/chat/completions"))
-    start, first, text, cached = time.perf_counter(), None, "", 0
+    start, first, text, tokens, cached = time.perf_counter(), None, "", 0, 0
     conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
     try:
-        conn.request("POST", where.path, body, {"Content-Type": "application/json"})
+        conn.request("POST", where.path, json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read().decode()}")
@@ -171,14 +172,15 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int) -> tuple[float, s
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"]:
+            if chunk["choices"] and (piece := chunk["choices"][0]["delta"].get("content")):
                 first = first or time.perf_counter()
-                text += chunk["choices"][0]["delta"].get("content", "")
-            else:
+                text, tokens = text + piece, tokens + 1
+            elif not chunk["choices"]:
                 cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
     finally:
         conn.close()
-    return first - start, text, cached
+    end = time.perf_counter()
+    return dict(text=text, ttft=(first or end) - start, total=end - start, tokens=tokens, cached=cached)
 
 
 def chat(path: str, extra: list[str], turns: int, rounds: int, max_tokens: int) -> None:
@@ -195,11 +197,11 @@ def chat(path: str, extra: list[str], turns: int, rounds: int, max_tokens: int) 
                 messages = [{"role": "system", "content": SYSTEM}]
                 for t in range(turns):
                     messages.append({"role": "user", "content": QUESTIONS[r % len(QUESTIONS)][t % 4]})
-                    seconds, text, hit = chat_turn(url, messages, max_tokens)
-                    messages.append({"role": "assistant", "content": text})
-                    ttft[on][t].append(seconds)
-                    answers[on].append(text)
-                    cached[on].append(hit)
+                    answer = chat_turn(url, messages, max_tokens)
+                    messages.append({"role": "assistant", "content": answer["text"]})
+                    ttft[on][t].append(answer["ttft"])
+                    answers[on].append(answer["text"])
+                    cached[on].append(answer["cached"])
         finally:
             server.terminate()
             server.wait()

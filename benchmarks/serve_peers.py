@@ -18,17 +18,14 @@ per output token p50 / p99, and how many answers equal the same question's answe
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from benchmarks.serve_load import free_port, serve, wait_ready
+from benchmarks.serve_load import chat_turn, free_port, serve, wait_ready
 
 QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What is a dictionary?",
              "Name three primary colors.", "What is the capital of Italy?", "How many days are in a week?",
@@ -39,38 +36,19 @@ QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What 
 
 
 def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
-    """llama-cpp-python's OpenAI-compatible server on `gguf`, in its own process."""
+    """llama-cpp-python's OpenAI-compatible server on `gguf`, in its own process. It runs one request at a
+    time; by default a new request interrupts the running one (its answer cut short), so that is off."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-                             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"],
+                             "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
+                             "--interrupt_requests", "False"],
                             stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models")
 
 
 def ask(url: str, question: str, max_tokens: int) -> dict:
-    """One streamed greedy chat completion: its text, TTFT, total time and streamed tokens."""
-    body = json.dumps({"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True})
-    where = urlsplit(url)
-    start, first, text, tokens = time.perf_counter(), None, "", 0
-    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
-    try:
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.read().decode()}")
-        while line := r.readline():
-            if not line.startswith(b"data: {"):
-                continue
-            choices = json.loads(line[6:])["choices"]
-            piece = choices[0]["delta"].get("content") if choices else None
-            if piece:
-                first = first or time.perf_counter()
-                text, tokens = text + piece, tokens + 1
-    finally:
-        conn.close()
-    end = time.perf_counter()
-    return dict(question=question, text=text, ttft=(first or end) - start, total=end - start, tokens=tokens)
+    """One streamed greedy chat completion of `question` (benchmarks.serve_load.chat_turn)."""
+    return chat_turn(url, [{"role": "user", "content": question}], max_tokens, usage=False) | {"question": question}
 
 
 def closed_loop(url: str, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:

@@ -104,14 +104,15 @@ class Forest:
         kept, _ = self.extend_rows(branches, chains, [1] * len(chains), check)
         return np.concatenate(kept)
 
-    def extend_rows(self, branches: list[Branch], chains: list[list[int]], keep: list[int], check: bool = True
-                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def extend_rows(self, branches: list[Branch], chains: list[list[int]], keep: list[int], check: bool = True,
+                    sees: list[np.ndarray | None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Append each chain of tokens to its (distinct) branch; return the logits of each chain's last
         keep[i] rows ([keep[i], V] each) and the slots each chain's tokens went into (for `trim`).
 
-        All rows go in the cheapest calls by the compiler's measured costs (runner.plan); a row sees
-        its branch's view and the rows of its own chain before it (in its call or an earlier one).
-        check=False: NaN/Inf rows are returned, not raised.
+        A row sees its branch's view and the rows of its own chain that `sees[i]` (bool [n_i, n_i],
+        default causal: a chain; a token tree with auxiliary rows: Proposal.rows) names. All rows go
+        in the cheapest calls by the compiler's measured costs (runner.plan); a row that sees rows of
+        an earlier call sees their slots. check=False: NaN/Inf rows are returned, not raised.
         """
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
@@ -123,26 +124,31 @@ class Forest:
         if any(not 1 <= k <= n for k, n in zip(keep, lengths, strict=True)):
             raise ValueError("each chain keeps between 1 and all of its rows' logits")
         owner = np.repeat(np.arange(len(chains)), lengths)
+        start = np.cumsum(lengths) - lengths  # each chain's first row
+        every = np.zeros((len(owner), len(owner)), dtype=bool)  # which rows each row sees: chains' blocks
+        for b, m in enumerate(sees or [None] * len(chains)):
+            every[start[b] : start[b] + lengths[b], start[b] : start[b] + lengths[b]] = \
+                np.tri(lengths[b], dtype=bool) if m is None else m
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
         slots = self._allocate(len(tokens))
-        first_kept = np.cumsum(lengths) - np.asarray(keep)  # row index of each chain's first kept row
+        first_kept = start + lengths - np.asarray(keep)  # row index of each chain's first kept row
         out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) for k in keep]
         s = 0
         for graph, n in self.runner.plan(len(tokens), self.max_rows):
             rows, s = np.arange(s, s + n), s + n
             o = owner[rows]
-            sees = (o[:, None] == o[None, :]) & np.tri(len(rows), dtype=bool)
             cache_sees = np.stack([branches[b].view for b in o])
-            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, sees, check)
+            cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
+            call_sees = every[rows[0] : s, rows[0] : s]
+            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, call_sees, check)
             self.runner.store(rows - rows[0], slots[rows])
-            for b in np.unique(o):
-                mine = slots[rows[o == b]]
-                branches[b].view[mine] = True
-                branches[b].order.extend(mine.tolist())
             for r in rows[rows >= first_kept[o]]:
                 out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0]]
-        bounds = np.cumsum(lengths)[:-1]
-        return out, np.split(slots, bounds)
+        for b, branch in enumerate(branches):
+            mine = slots[start[b] : start[b] + lengths[b]]
+            branch.view[mine] = True
+            branch.order.extend(mine.tolist())
+        return out, np.split(slots, start[1:])
 
     def trim(self, branch: Branch, slots: np.ndarray) -> None:
         """Take tokens back out of a branch (rejected drafts): their slots are free again unless another

@@ -91,6 +91,15 @@ def largest_graph(art: Artifact) -> int:
     return max(g.tokens for g in art.manifest.models["tlm"].graphs.values())
 
 
+def lookahead_rows(art: Artifact, settings: LookaheadSettings) -> int:
+    """The rows of a full lookahead step with these settings, refused if no compiled graph holds them."""
+    t = graph_io.lookahead_tokens(settings.ngram, settings.window, settings.guesses)
+    if t > largest_graph(art):
+        raise ValueError(f"lookahead {settings} needs a graph of T = {t}; this artifact's largest is "
+                         f"T = {largest_graph(art)}: export with these settings in the recipe's [lookahead] table")
+    return t
+
+
 def scoring_draft_lengths(art: Artifact) -> list[int]:
     """The compiled draft lengths whose k + 1 rows fit one call."""
     return [k for k in graph_io.draft_lengths(art.manifest.k) if k < largest_graph(art)]
@@ -117,9 +126,9 @@ class Speculation:
     request's round time is not its own, so there is nothing of its own to measure. A round with the
     same length as a single generation's (generate(..., draft_length=k)) draws the same random numbers."""
 
-    method: str  # "draft" or "prompt_lookup"
+    method: str  # "draft", "prompt_lookup" or "lookahead"
     lengths: tuple[int, ...]  # the draft lengths a round may use, ascending, 0 (a plain step) first
-    settings: PromptLookupSettings | None = None
+    settings: PromptLookupSettings | LookaheadSettings | None = None  # lookahead: its step's rows - 1 is k
 
     @property
     def k(self) -> int:
@@ -133,14 +142,14 @@ class Speculation:
 def batched_speculation(art: Artifact, speculative: object, draft_length: object = None) -> Speculation | None:
     """A server request's speculation (None: the method is off)."""
     method = speculation_method(art, speculative)
-    if method == "lookahead":
-        raise ValueError("speculation 'lookahead' runs in single generations only (its Jacobi window belongs "
-                         "to one sequence); the server runs 'draft' and 'prompt_lookup'")
     settings = method_settings(art, method, None, {"max_draft": draft_length} if method == "prompt_lookup" and
                                isinstance(draft_length, int) else None)  # a shorter match is all a round scores
     check_draft_length(art, method, settings, draft_length)
     if method is None:
         return None
+    if method == "lookahead":  # each request keeps its own window; a step scores all its rows
+        assert isinstance(settings, LookaheadSettings)
+        return Speculation(method, (0, lookahead_rows(art, settings) - 1), settings)
     if method == "draft":
         ks = scoring_draft_lengths(art)
         cap = draft_length or max(ks)

@@ -24,7 +24,7 @@ from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup
 from runtime.proposal import Drafter, Proposal
 from runtime.rejection import verify_round
-from runtime.request import largest_graph, scoring_draft_lengths
+from runtime.request import lookahead_rows, scoring_draft_lengths
 from runtime.sampling import SamplingParams, next_token
 
 
@@ -105,7 +105,6 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
     """The drafter for `method`, with its policy costed from the compiler's measured graph costs."""
     tlm = art.manifest.models["tlm"].graphs
     sizes = {name: g.tokens for name, g in tlm.items()}
-    biggest = largest_graph(art)
 
     def cost(rows: int) -> float:
         return tlm[graph_io.fitting_graph(sizes, rows)].cost_ms
@@ -125,10 +124,7 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
             adapt and fixed is None)
         return PromptLookup(settings, policy)
     assert method == "lookahead" and isinstance(settings, LookaheadSettings)
-    t = graph_io.lookahead_tokens(settings.ngram, settings.window, settings.guesses)
-    if t > biggest:
-        raise ValueError(f"lookahead {settings} needs a graph of T = {t}; this artifact's largest is "
-                         f"T = {biggest}: export with these settings in the recipe's [lookahead] table")
+    t = lookahead_rows(art, settings)
     fixed = None if settings.adaptive else 1
     key = ("lookahead", settings.ngram, settings.window, settings.guesses)
     policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),

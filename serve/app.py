@@ -58,7 +58,7 @@ class Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with usage, as OpenAI sends
-    speculation: str | None = None  # extension: "draft", "prompt_lookup" or "none" (unset: the server's default)
+    speculation: str | None = None  # extension: "draft", "prompt_lookup", "lookahead" or "none" (unset: server's)
     draft_length: int | None = Field(default=None, ge=1)  # extension: most tokens drafted per round
 
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
     p.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429 (default 64)")
-    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
+    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup", "lookahead"], default="none",
                    help="the method of requests that name none in their 'speculation' field (default none: under "
                         "concurrency the shared calls are already full)")
     p.add_argument("--threads", type=positive, help="ONNX Runtime threads per call (default: every core; on a busy "

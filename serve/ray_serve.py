@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
     p.add_argument("--max-queue", type=positive, default=64,
                    help="waiting requests per replica before 429 (default 64)")
-    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup"], default="none",
+    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup", "lookahead"], default="none",
                    help="the method of requests that name none (default none)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
     p.add_argument("--threads", type=positive, help="ONNX Runtime threads per replica (default: its own choice)")

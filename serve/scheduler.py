@@ -31,6 +31,7 @@ import numpy as np
 
 from runtime.artifact import Artifact
 from runtime.forest import Branch, CapacityError, Forest
+from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import lookup
 from runtime.proposal import Proposal
 from runtime.rejection import verify_round
@@ -69,6 +70,7 @@ class Request:
     spec: Speculation | None = None
     dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
     dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
+    drafter: Lookahead | None = None  # speculation "lookahead": its Jacobi window and n-gram pool
     cancelled: bool = False
     cached: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     submitted: float = field(default_factory=time.perf_counter)
@@ -260,11 +262,15 @@ class Scheduler:
         fed = [r for r in self.live if r.branch is not None]
         if not fed:
             return
-        chains = [req.prompt[req.branch.length:] if id(req) in admitted  # past its cached prefix
-                  else [req.tokens[-1], *proposals.get(id(req), NONE).tokens] for req in fed]
+        chains, sees = [], []  # a new prompt past its cached prefix; the newest token and this round's proposal
+        for req in fed:
+            tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1]) if id(req) not in admitted else \
+                (req.prompt[req.branch.length:], None, None)
+            chains.append(list(tokens))
+            sees.append(tree)
         keep = [1 if id(r) in admitted else len(c) for r, c in zip(fed, chains, strict=True)]  # drafts: every row
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
-        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False)
+        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
             if req.branch is None:
@@ -275,13 +281,17 @@ class Scheduler:
             if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
                 self._finish(forest, dlm, req, "error", NON_FINITE)
                 continue
-            if len(proposal.tokens):
-                tree, parents, _ = proposal.rows(req.tokens[-1])
-                path, nxt = verify_round(tree, parents, proposal.q, rows, req.decoding.params, req.rng)
-                forest.trim(req.branch, s[1 + len(path):])  # the rejected drafts' KV
+            if not proposal.empty:
+                call, parents, _ = proposal.rows(req.tokens[-1])
+                path, nxt = verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
+                rejected = np.ones(len(call), dtype=bool)
+                rejected[[0, *path]] = False
+                forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV
                 if req.dlm_fed is not None:
                     dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
-                emitted = [*proposal.tokens[: len(path)].tolist(), nxt]
+                emitted = [*call[path].tolist(), nxt]
+                if req.drafter is not None:
+                    req.drafter.observe(proposal, len(path), emitted, rows, 0.0)
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
             else:
@@ -321,6 +331,13 @@ class Scheduler:
                 s = req.spec.settings
                 found = lookup(np.asarray(req.prompt + req.tokens, np.int64), s.ngram, s.max_draft)
                 out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
+            elif req.spec.method == "lookahead":  # a window step, unless the batch policy says a plain one
+                if req.drafter is None:
+                    req.drafter = Lookahead(req.spec.settings, LookaheadPolicy({1: 1.0}, 1.0, 0.0, fixed=1))
+                    req.drafter.start(req.prompt + req.tokens)
+                if room:
+                    out[id(req)] = req.drafter.propose(req.prompt + req.tokens,
+                                                       forest.runner.max_length - 1 - req.branch.length)
             elif k := req.spec.length(room):
                 drafting.append((req, k))
         if not drafting:

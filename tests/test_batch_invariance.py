@@ -148,15 +148,16 @@ def test_concurrent_server_requests_equal_autoregressive_on_mxfp6(flat, checkpoi
     monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
     art = artifact(flat, checkpoints, tmp_path_factory, fmt, dlm=True)
     prompts = PROMPTS[:4]
-    for method in ("draft", "prompt_lookup"):
+    for method in ("draft", "prompt_lookup", "lookahead"):
         scheduler = Scheduler(art)
         try:
             greedy = decoding(max_new_tokens=12, do_sample=False)
-            reqs = [scheduler.submit(p, greedy, spec=batched_speculation(art, method, 2) if i % 2 else None)
-                    for i, p in enumerate(prompts)]
+            spec = batched_speculation(art, method, None if method == "lookahead" else 2)
+            reqs = [scheduler.submit(p, greedy, spec=spec if i % 2 else None) for i, p in enumerate(prompts)]
             out = [[e.token for e in r.events() if e.token is not None] for r in reqs]
         finally:
             scheduler.close()
+        assert scheduler.stats["drafted"] > 0, method
         for prompt, tokens in zip(prompts, out, strict=True):
             ar = runtime.generate(art, prompt, max_new_tokens=12, speculative=False).token_ids
             assert tokens == ar, method

@@ -269,3 +269,25 @@ def test_recipe_tables_choose_the_method_and_are_checked():
                       ({"prompt_lookup": {"max_drafts": 3}}, "max_drafts"), ({"speculation": "draft"}, "dlm")):
         with pytest.raises(RecipeError, match=word):
             recipe_from_dict({"name": "x", "tlm": {"model": "m"}, "speculation": "lookahead"} | bad)
+
+
+@pytest.mark.parametrize("max_rows", [2, 3, None])
+def test_the_forest_scores_a_tree_with_window_rows_over_several_calls_as_one_call(tlm_only, max_rows):
+    """A lookahead step's rows (a candidate trie and Jacobi window rows, the server's per-request
+    proposal) split over calls: each row sees its tree ancestors from earlier calls through their
+    slots, and gets the same bits as the whole step in one call."""
+    from runtime.forest import Forest
+    from runtime.proposal import Proposal
+
+    tlm, prompt = tlm_only.tlm, np.array([0, 5, 6, 7, 8])
+    proposal = Proposal(np.array([9, 10, 11, 12]), np.array([0, 0, 1, 2]), None, np.array([20, 21, 22, 23]),
+                        window_sees(2, 2))
+    tokens, _, sees = proposal.rows(13)
+    tlm.rewind(0)
+    tlm.prefill(prompt)
+    whole = tlm.run(tlm.graph_for(len(tokens)), tokens, sees).copy()
+    forest = Forest(tlm, max_rows=max_rows)
+    root, _ = forest.root(prompt)
+    [rows], [slots] = forest.extend_rows([root], [list(tokens)], [len(tokens)], sees=[sees])
+    assert np.array_equal(rows, whole)
+    assert root.length == len(prompt) + len(tokens) and root.order[len(prompt):] == slots.tolist()

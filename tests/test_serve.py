@@ -216,14 +216,14 @@ def test_the_openai_client_works_unchanged(artifact_dir, reference):
         port = s.getsockname()[1]
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
-    server = uvicorn.Server(uvicorn.Config(create_app(art, name="tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(art, name="tiny", api_key="s3cret"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret")
         r = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0)
         expected = _greedy(reference, reference.tokenizer("abc")["input_ids"], 10).text
         assert r.choices[0].text == expected and r.usage.completion_tokens == 10
@@ -231,6 +231,9 @@ def test_the_openai_client_works_unchanged(artifact_dir, reference):
         assert "".join(p.choices[0].text for p in pieces) == expected
         with pytest.raises(openai.BadRequestError, match="unknown model"):
             client.completions.create(model="nope", prompt="abc", max_tokens=2)
+        stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            stranger.completions.create(model="tiny", prompt="abc", max_tokens=2)
     finally:
         server.should_exit = True
         thread.join(10)

@@ -3,6 +3,7 @@ Poisson arrivals, chat requests, side by side in one run.
 
     python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--clients 1,8] [--rates 0.5,1,2]
                                      [--requests 16] [--max-tokens 64] [--threads 2] [--seed 0]
+                                     [--no-prefix-cache]
 
 Starts `python -m serve DIR` and `python -m llama_cpp.server --model FILE` (llama-cpp-python[server],
 a benchmark-only extra: `pip install -e ".[peers]"`), one after the other, on loopback. For each: the
@@ -12,7 +13,9 @@ requests arriving as a Poisson process at each rate in `--rates` (seeded: both s
 arrival times). Every request is a streamed greedy chat completion of `--max-tokens` tokens. Prints
 per workload: requests/s and output tokens/s (over the wall time from the first arrival to the last
 answer; tokens counted as streamed content chunks, one per token on both servers), TTFT and time
-per output token p50 / p99, and how many answers equal the same question's answer alone.
+per output token p50 / p99, and how many answers equal the same question's answer alone. The 16
+questions repeat across workloads, so with our prefix cache on (the default) a repeated question
+finds its whole prompt cached; `--no-prefix-cache` compares prefill against prefill.
 """
 
 from __future__ import annotations
@@ -93,11 +96,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads per call on both servers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-prefix-cache", action="store_true", help="our server without its prefix cache")
     args = ap.parse_args()
+    ours = ["--threads", str(args.threads)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")
     print("|---|---|---|---|---|---|---|")
     for server in ("mxspd", "llama.cpp"):
-        proc, url = (serve(args.artifact, ["--threads", str(args.threads)]) if server == "mxspd"
+        proc, url = (serve(args.artifact, ours) if server == "mxspd"
                      else serve_llama_cpp(args.gguf, args.threads))
         try:
             alone = {q: ask(url, q, args.max_tokens)["text"] for q in QUESTIONS}  # warms up too

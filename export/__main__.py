@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dlm", help="local checkpoint folder or .gguf file that replaces the recipe's draft model")
     p.add_argument("--mx-format", choices=[*MX_FORMATS, "none"], help="override the TLM's MX weight format")
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
+    p.add_argument("--kv-slots", type=int, help="override the recipe's KV cache slots (shared by a server's "
+                   "requests; default: the recipe's, else its context_length)")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and whether their weights are here")
     p.add_argument("--force", action="store_true",
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             tlm = replace(tlm, mx_format=None if args.mx_format == "none" else args.mx_format)
         if args.mx_lowering:
             tlm = replace(tlm, mx_lowering=args.mx_lowering)
-        recipe = validate(replace(recipe, tlm=tlm))
+        slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots
+        recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots))
         out = args.out or Path("artifacts") / recipe.name
         path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force)
     except (RecipeError, ModelNotFoundError, VocabularyMismatchError, DoesNotFitError, ValueError) as exc:

@@ -76,3 +76,17 @@ def test_the_scheduler_shares_the_slots_beyond_one_context(arts):
         for prompt, tokens in zip(prompts, out, strict=True):
             assert tokens == runtime.generate(arts[0], prompt, max_new_tokens=20, speculative=False).token_ids
     assert steps[SLOTS] <= 21 < 4 * 19 <= steps[0]  # together: one prefill step, then 19 decode steps
+
+
+def test_the_export_cli_sets_kv_slots_for_a_serving_build(checkpoints, tmp_path, capsys):
+    from export.__main__ import main
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "cli-slots"\nprefill_chunk = 8\ncontext_length = 32\nmax_prompt_length = 16\n'
+                      f'speculative = false\n[tlm]\nmodel = "{checkpoints["llama-gqa"]}"\n')
+    out = tmp_path / "art"
+    assert main(["--recipe", str(recipe), "--kv-slots", "16", "--out", str(out), "--quiet"]) == 2
+    assert "kv_slots (16) must hold at least one whole sequence" in capsys.readouterr().err and not out.exists()
+    assert main(["--recipe", str(recipe), "--kv-slots", "96", "--out", str(out), "--quiet"]) == 0
+    art = runtime.load_artifact(out)
+    assert (art.manifest.kv_slots, art.manifest.context_length, art.tlm.cache[0].shape[2]) == (96, 32, 96)

@@ -56,6 +56,13 @@ def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def recipe_file(path: Path, model: Path, context: int = 64) -> Path:
+    """A minimal TLM-only recipe TOML at `path`, for the export CLI."""
+    path.write_text(f'name = "cli"\nprefill_chunk = 8\ncontext_length = {context}\nmax_prompt_length = '
+                    f'{context // 2}\nspeculative = false\n[tlm]\nmodel = "{model}"\n')
+    return path
+
+
 def tiny_recipe(**overrides) -> Recipe:
     fields = dict(
         name="tiny-test", tlm=ModelSpec(model="unused"), dlm=ModelSpec(model="unused"), k=3,

@@ -18,7 +18,7 @@ from export.pipeline import build_artifact
 from runtime.forest import CapacityError
 from runtime.request import decoding
 from serve.scheduler import Scheduler
-from tests.conftest import tiny_recipe
+from tests.conftest import recipe_file, tiny_recipe
 
 CONTEXT, SLOTS = 48, 160
 
@@ -81,9 +81,7 @@ def test_the_scheduler_shares_the_slots_beyond_one_context(arts):
 def test_the_export_cli_sets_kv_slots_for_a_serving_build(checkpoints, tmp_path, capsys):
     from export.__main__ import main
 
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(f'name = "cli-slots"\nprefill_chunk = 8\ncontext_length = 32\nmax_prompt_length = 16\n'
-                      f'speculative = false\n[tlm]\nmodel = "{checkpoints["llama-gqa"]}"\n')
+    recipe = recipe_file(tmp_path / "r.toml", checkpoints["llama-gqa"], context=32)
     out = tmp_path / "art"
     assert main(["--recipe", str(recipe), "--kv-slots", "16", "--out", str(out), "--quiet"]) == 2
     assert "kv_slots (16) must hold at least one whole sequence" in capsys.readouterr().err and not out.exists()

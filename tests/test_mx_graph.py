@@ -21,7 +21,7 @@ from kernels import library_path
 from quant import fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from runtime.artifact import load_artifact
-from tests.conftest import tiny_recipe
+from tests.conftest import recipe_file, tiny_recipe
 
 WEIGHT = "layers.0.mlp.up_proj.weight.T"
 
@@ -259,9 +259,7 @@ def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, 
 def test_export_cli_mx_flags(checkpoints, tmp_path, capsys):
     from export.__main__ import main
 
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(f'name = "cli-mx"\nprefill_chunk = 8\ncontext_length = 64\nmax_prompt_length = 32\n'
-                      f'speculative = false\n[tlm]\nmodel = "{checkpoints["llama-gqa"]}"\n')
+    recipe = recipe_file(tmp_path / "r.toml", checkpoints["llama-gqa"])
     out = tmp_path / "art"
     assert main(["--recipe", str(recipe), "--mx-format", "fp6_e3m2", "--out", str(out), "--quiet"]) == 2
     assert "exact" in capsys.readouterr().err and not out.exists()

@@ -31,6 +31,7 @@ other rows' KV is dropped, so nothing uncommitted is attended to again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -77,17 +78,23 @@ def plan_calls(graphs: dict[str, tuple[int, float]], rows: int, max_rows: int | 
     rows it takes) per call, from each graph's (T, measured cost of one call). 20 rows in two calls
     of T = 13 and 9 can cost less than one call of T = 64. Without measured costs (any cost 0): the
     fewest calls, as `fitting_graph` picks them. Batch-invariant graphs give the same bits however
-    the rows are split."""
+    the rows are split. Plans are remembered (a decode loop asks for the same few sizes)."""
     if rows < 1:
         raise ValueError(f"a call needs at least one row, got {rows}")
-    sizes = {name: t for name, (t, _) in graphs.items()}
+    return list(_plan(tuple(sorted(graphs.items())), rows, max_rows))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(graphs: tuple[tuple[str, tuple[int, float]], ...], rows: int, max_rows: int | None
+          ) -> tuple[tuple[str, int], ...]:
+    sizes = {name: t for name, (t, _) in graphs}
     cap = {name: min(t, max_rows or t) for name, t in sizes.items()}
-    if any(cost <= 0 for _, cost in graphs.values()):
+    if any(cost <= 0 for _, (_, cost) in graphs):
         chunk = max(cap.values())
-        return [(fitting_graph(sizes, n), n) for n in [chunk] * (rows // chunk) + [rows % chunk] if n]
+        return tuple((fitting_graph(sizes, n), n) for n in [chunk] * (rows // chunk) + [rows % chunk] if n)
     best, pick = [0.0] + [np.inf] * rows, [""] * (rows + 1)
     for r in range(1, rows + 1):  # best[r]: the cheapest way to run r rows
-        for name, (_, cost) in graphs.items():
+        for name, (_, cost) in graphs:
             if cost + best[max(0, r - cap[name])] < best[r]:
                 best[r], pick[r] = cost + best[max(0, r - cap[name])], name
     plan, r = [], rows
@@ -95,7 +102,7 @@ def plan_calls(graphs: dict[str, tuple[int, float]], rows: int, max_rows: int | 
         take = min(cap[pick[r]], r)
         plan.append((pick[r], take))
         r -= take
-    return plan
+    return tuple(plan)
 
 
 def tree_sees(parents: Sequence[int]) -> np.ndarray:

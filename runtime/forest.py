@@ -53,7 +53,8 @@ class Forest:
         logits, order = None, []
         if prompt is not None and len(prompt):
             if self.live or self.cache is not None:
-                raise ValueError("a prompt is prefilled into slots 0..: only before any other branch exists")
+                raise ValueError("a prompt is prefilled into slots 0..: only before any other branch exists, and "
+                                 "not with a prefix cache (attach its cached_prefix, then extend)")
             logits = self.runner.start(prompt).copy()
             order = list(range(len(prompt)))
         return self.attach(order), logits

@@ -162,7 +162,7 @@ class ModelRunner:
         rows = np.asarray(rows, dtype=np.int64)
         start, m = self.length, len(rows)
         if start + m > self.context:
-            raise ValueError(f"{start + m} tokens exceed the context length {self.context}")
+            raise ValueError(f"{start + m} tokens exceed the cache's {self.context} slots")
         self.store(rows, np.arange(start, start + m))
         self.history[start : start + m] = self._last.input_ids[0, rows]
         self.length = start + m
@@ -183,7 +183,7 @@ class ModelRunner:
     def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
         """Process a chain of tokens and commit all of them; return their logits [n, V]."""
         if self.length + len(tokens) > self.context:
-            raise ValueError(f"{self.length + len(tokens)} tokens exceed the context length {self.context}")
+            raise ValueError(f"{self.length + len(tokens)} tokens exceed the cache's {self.context} slots")
         logits = self.run(graph, tokens)
         self.commit(np.arange(len(tokens)))
         return logits

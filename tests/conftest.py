@@ -16,6 +16,7 @@ from transformers import (
 )
 
 import runtime
+from common import graph_io
 from common.recipe import ModelSpec, Recipe
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
@@ -54,6 +55,16 @@ def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     make_model(kind, seed).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def fewest_calls(monkeypatch):
+    """Call plans as if no graph cost had been measured: the fewest calls. Tests that count calls use
+    it, so that they do not depend on the costs the compiler measured on this machine."""
+    from runtime.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "plan", lambda self, rows, max_rows=None: graph_io.plan_calls(
+        {name: (g.tokens, 0.0) for name, g in self.entries.items()}, rows, max_rows))
 
 
 def recipe_file(path: Path, model: Path, context: int = 64) -> Path:

@@ -75,7 +75,7 @@ def test_the_scheduler_shares_the_slots_beyond_one_context(arts):
             scheduler.close()
         for prompt, tokens in zip(prompts, out, strict=True):
             assert tokens == runtime.generate(arts[0], prompt, max_new_tokens=20, speculative=False).token_ids
-    assert steps[SLOTS] <= 21 < 4 * 19 <= steps[0]  # together: one prefill step, then 19 decode steps
+    assert steps[SLOTS] < 2 * 20 <= 4 * 20 <= steps[0]  # together (whatever step each joins at), or in turn
 
 
 def test_the_export_cli_sets_kv_slots_for_a_serving_build(checkpoints, tmp_path, capsys):

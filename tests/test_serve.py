@@ -115,7 +115,7 @@ def test_sampled_choices_follow_their_seeds(served, reference):
         assert choice["index"] == i and choice["text"] == alone.text
 
 
-def test_choices_of_one_prompt_share_its_prefill(artifact_dir, reference):
+def test_choices_of_one_prompt_share_its_prefill(artifact_dir, reference, fewest_calls):
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
     scheduler = Scheduler(art)

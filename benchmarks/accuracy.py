@@ -23,15 +23,18 @@ from benchmarks.variants import build_cached, variant
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import stdlib_files
 
-CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, LM head in MX too)
-    "fp32": (None, "exact", "spec", False),
-    "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", False),
-    "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error", False),
-    "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error", False),
-    "fp6_e2m3 native min_error": ("fp6_e2m3", "native", "min_error", False),
-    "fp6_e2m3 native8 min_error": ("fp6_e2m3", "native8", "min_error", False),
-    "fp6_e2m3 native min_error +head": ("fp6_e2m3", "native", "min_error", True),
-    "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", False),
+HEAD8 = {"mx_int8": ("lm_head",)}  # the LM head in MXINT8 (8.25 bits per weight)
+CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
+    "fp32": (None, "exact", "spec", {}),
+    "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", {}),
+    "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error", {}),
+    "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error", {}),
+    "fp6_e2m3 native min_error": ("fp6_e2m3", "native", "min_error", {}),
+    "fp6_e2m3 native8 min_error": ("fp6_e2m3", "native8", "min_error", {}),
+    "fp6_e2m3 native min_error +head": ("fp6_e2m3", "native", "min_error", {"mx_lm_head": True}),
+    "fp6_e2m3 native min_error +head8": ("fp6_e2m3", "native", "min_error", HEAD8),
+    "fp6_e2m3 native8 min_error +head8": ("fp6_e2m3", "native8", "min_error", HEAD8),
+    "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", {}),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -114,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(recipe.prompts)
     differing: dict[str, list] = {}
     for name in chosen:
-        fmt, lowering, scale, head = CONFIGS[name]
+        fmt, lowering, scale, settings = CONFIGS[name]
         r = variant(recipe, fmt, lowering, with_dlm=False, scale=scale)
-        art_dir = build_cached(replace(r, tlm=replace(r.tlm, mx_lm_head=head)), out_dir / name.replace(" ", "-"))
+        art_dir = build_cached(replace(r, tlm=replace(r.tlm, **settings)), out_dir / name.replace(" ", "-"))
         art = runtime.load_artifact(art_dir)
         if tokens is None:
             tokens = held_out_tokens(art, args.text, args.tokens)
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         differing[name] = [(p, a, b) for p, a, b in zip(prompts, said, base_answers, strict=True) if a != b]
         quant = art.manifest.models["tlm"].quant
         same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
-        rows.append({"name": name.split()[0] + (" +head" if head else ""), "lowering": quant.get("lowering"),
+        rows.append({"name": " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+")),
+                     "lowering": quant.get("lowering"),
                      "scale": quant.get("scale"),
                      "format": fmt, "perplexity": ppl, "same_answers": same,
                      "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),

@@ -6,15 +6,16 @@
 Engines (ENGINES): float32; MXFP6 E2M3 through ONNX Runtime's MatMulNBits (`fused`, 8-bit codes and
 float32 scales: 9 bits per weight); through mxspd's native 6-bit kernel with int16 or int8
 activations (`native`, `native8`: 6.25 bits per weight); and the native ones with the LM head in
-MXFP6 too. Prints, per engine: greedy decode tokens/s of every repeat (engines alternated) and
-their median, time to first token (the prompt's prefill), the weight bytes one decode call
-reads and the floor they imply at this machine's read bandwidth (benchmarks.bandwidth), the
-fraction of that floor reached, the length of the greedy output identical to float32's, and
-teacher-forced top-1 agreement with float32 on it, and whether greedy prompt lookup and lookahead
-give exactly the autoregressive tokens. `--plain` also builds every engine with
-`batch_invariant = false` (named `<engine>:plain`; ONNX Runtime's MatMul and attention): the cost of
-batch invariance is the ratio of the two. `--context N` also builds every engine with N KV slots
-(`<engine>:ctxN`): what a larger cache capacity costs one request's decode (`speed_over_ctxN`).
+MXFP6 too (`_lm_head`) or in MXINT8 (`_head8`, 8.25 bits). Prints, per engine: greedy decode
+tokens/s of every repeat (engines alternated) and their median, time to first token (the prompt's
+prefill), the weight bytes one decode call reads and the floor they imply at this machine's read
+bandwidth (benchmarks.bandwidth), the fraction of that floor reached, the length of the greedy
+output identical to float32's, and teacher-forced top-1 agreement with float32 on it, and whether
+greedy prompt lookup and lookahead give exactly the autoregressive tokens. `--plain` also builds
+every engine with `batch_invariant = false` (named `<engine>:plain`; ONNX Runtime's MatMul and
+attention): the cost of batch invariance is the ratio of the two. `--context N` also builds every
+engine with N KV slots (`<engine>:ctxN`): what a larger cache capacity costs one request's decode
+(`speed_over_ctxN`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import score
+from benchmarks.accuracy import HEAD8, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, variant
@@ -36,13 +37,15 @@ from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import cache_root
 from runtime.request import encode_prompt
 
-ENGINES = {  # name -> (mx_format, lowering, mx_lm_head)
-    "fp32": (None, "exact", False),
-    "mxfp6_fused": ("fp6_e2m3", "fused", False),
-    "mxfp6_native": ("fp6_e2m3", "native", False),
-    "mxfp6_native8": ("fp6_e2m3", "native8", False),
-    "mxfp6_native_lm_head": ("fp6_e2m3", "native", True),
-    "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", True),
+ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
+    "fp32": (None, "exact", {}),
+    "mxfp6_fused": ("fp6_e2m3", "fused", {}),
+    "mxfp6_native": ("fp6_e2m3", "native", {}),
+    "mxfp6_native8": ("fp6_e2m3", "native8", {}),
+    "mxfp6_native_lm_head": ("fp6_e2m3", "native", {"mx_lm_head": True}),
+    "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", {"mx_lm_head": True}),
+    "mxfp6_native_head8": ("fp6_e2m3", "native", HEAD8),
+    "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
 }
 
 
@@ -76,9 +79,9 @@ def main() -> None:
     recipe = get_recipe(args.recipe)
     arts = {}
     for name in names:
-        fmt, lowering, head = ENGINES[name]
+        fmt, lowering, settings = ENGINES[name]
         r = variant(recipe, fmt, lowering, with_dlm=False)
-        r = replace(r, tlm=replace(r.tlm, mx_lm_head=head), max_new_tokens=args.new_tokens)
+        r = replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=args.new_tokens)
         builds = {name: r} | ({f"{name}:plain": replace(r, batch_invariant=False)} if args.plain else {}) | (
             {f"{name}:ctx{args.context}": replace(r, context_length=args.context)} if args.context else {})
         for key, built in builds.items():

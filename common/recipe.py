@@ -38,6 +38,9 @@ class ModelSpec:
     mx_lm_head: bool = False
     mx_lowering: str = "native"
     mx_scale: str = "spec"
+    # Name fragments of the weights stored MXINT8 (8.25 bits per weight) instead of mx_format:
+    # "lm_head" quantizes the LM head in MXINT8; e.g. "down_proj" or "layers.0." for sensitive ones.
+    mx_int8: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,10 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
+    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head):
+        raise RecipeError(f"{where}: mx_int8 and mx_lm_head need mx_format (MX weights) to be set")
+    if any(not f for f in spec.mx_int8):
+        raise RecipeError(f"{where}.mx_int8: an empty name fragment would select every weight")
     if spec.mx_scale not in MX_SCALES:
         raise RecipeError(f"{where}.mx_scale: {spec.mx_scale!r} is not one of {MX_SCALES}")
     if spec.mx_lowering not in MX_LOWERINGS:

@@ -79,13 +79,14 @@ def check_target(target: str) -> None:
         )
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, library: Path | None = None) -> ort.SessionOptions:
+    """`library`: another build of mxspd's kernels than the installed one (benchmarks compare builds)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    lib = library_path()
+    lib = library or library_path()
     if lib is not None:  # mxspd's own ops (ai.mxspd), for graphs that use them
         so.register_custom_ops_library(str(lib))
     return so

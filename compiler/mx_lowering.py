@@ -19,6 +19,10 @@ optimises, so the artifact stays small). Then:
   1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). Every row
   is computed alike whatever the call's rows. Needs the kernel library built at install
   (kernels.library_path()); the compiler falls back to `fused` with a warning without it.
+
+MXINT8 weights (a recipe's `mx_int8`: INT8 codes whose stored exponent already holds the 2^-6) take
+every lowering too: exact (Cast and scale), fused (MatMulNBits, codes + 128) and native (MXMatMul
+with weight_bits = 8: 32 code bytes and one exponent byte per 32 weights, 8.25 bits).
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
 from kernels import MX_MATMUL, NATIVE_LOWERINGS
-from kernels.layout import pack_columns
+from kernels.layout import pack_columns, pack_int8_columns
 from quant import element_values, pack_fp6, unpack_fp6
 
 NATIVE_ACTIVATION_BITS = dict(zip(NATIVE_LOWERINGS, (16, 8), strict=True))
 LOWERINGS = MX_LOWERINGS
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
-FP6_FORMATS = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2"}
+MX_TYPES = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2",
+            onnx.TensorProto.INT8: "int8"}  # DequantizeLinear data types with E8M0 scales: the MX weights
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
 NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
@@ -116,9 +121,13 @@ def _scales(b: _Builder, prefix: str, exponents: np.ndarray, divisor: float) -> 
 def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray) -> None:
     k, n = codes.shape
     kb = exps.shape[0]
-    padded = np.zeros((kb * BLOCK, n), dtype=np.uint8)
+    padded = np.zeros((kb * BLOCK, n), dtype=codes.dtype)
     padded[:k] = codes
-    values = _unpack(b, name, padded, element_values(fmt), f"mx.values_{fmt}", [kb, BLOCK, n])
+    if fmt == "int8":  # the stored exponent holds MXINT8's 2^-6: value = code * scale
+        stored = b.const(name + ".int8", padded.reshape(kb, BLOCK, n))
+        values = b.node("Cast", [stored], name + ".unpacked", to=onnx.TensorProto.FLOAT)
+    else:
+        values = _unpack(b, name, padded, element_values(fmt), f"mx.values_{fmt}", [kb, BLOCK, n])
     scale = b.node("Reshape", [_scales(b, name, exps, 1.0), b.const(name + ".scale_shape", np.array([kb, 1, n]))],
                    name + ".scale3")
     w = b.node("Mul", [values, scale], name + ".blocks")
@@ -130,7 +139,7 @@ def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
 
 
 def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
-    if fmt != "fp6_e2m3":
+    if fmt not in ("fp6_e2m3", "int8"):
         raise LoweringError(
             f"weight {name!r}: the {lowering} lowering needs fp6_e2m3 ({fmt} values are not int8 multiples of one "
             "power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
@@ -142,13 +151,15 @@ def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.
     """MatMul -> ai.mxspd::MXMatMul(A, codes in the kernel's layout, E8M0 bytes [N, K/32])."""
     _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
     k, n = codes.shape
-    weights = b.const(name + NATIVE_SUFFIX, pack_columns(codes))
+    int8 = fmt == "int8"
+    weights = b.const(name + NATIVE_SUFFIX, pack_int8_columns(codes) if int8 else pack_columns(codes))
     scales = b.const(name + ".e8m0", np.ascontiguousarray(exps.T))
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
         mm.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
-                             helper.make_attribute("activation_bits", activation_bits)])
+                             helper.make_attribute("activation_bits", activation_bits),
+                             helper.make_attribute("weight_bits", 8 if int8 else 6)])
 
 
 def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list) -> None:
@@ -157,12 +168,14 @@ def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
     _need_e2m3(name, fmt, "fused")
     k, n = codes.shape
     kb = exps.shape[0]
-    as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
-    table = (as_int8 + 128).astype(np.uint8)  # zero point 128 (the default for bits = 8)
     by_column = np.full((n, kb * BLOCK), 128, dtype=np.uint8)  # MatMulNBits: per output column, K in blocks
-    by_column[:, :k] = table[codes.T]
+    if fmt == "int8":  # the codes themselves, with zero point 128 (the default for bits = 8)
+        by_column[:, :k] = (codes.T.astype(np.int16) + 128).astype(np.uint8)
+    else:
+        as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
+        by_column[:, :k] = (as_int8 + 128).astype(np.uint8)[codes.T]
     weights = b.const(name + FUSED_SUFFIX, by_column.reshape(n, kb, BLOCK))
-    scales = b.const(name + ".scale", _scale_table(8.0)[exps.T.reshape(-1)])
+    scales = b.const(name + ".scale", _scale_table(1.0 if fmt == "int8" else 8.0)[exps.T.reshape(-1)])
     for mm in matmuls:
         mm.op_type, mm.domain = "MatMulNBits", MS_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
@@ -174,7 +187,7 @@ def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
 
 def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.raw_data,
                 store: Store = lambda t: t) -> dict[str, str]:
-    """Replace every FLOAT6 DequantizeLinear in `model` (in place); returns {weight name: format}.
+    """Replace every MX DequantizeLinear in `model` (in place); returns {weight name: format}.
 
     One weight at a time: `read` gives an MX initializer's bytes (the graph may be loaded without
     its external data) and `store` receives each new initializer as soon as it is made (for
@@ -195,14 +208,15 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
         if node.op_type != "DequantizeLinear" or inits.get(node.input[0]) is None:
             continue
         data, scale = inits[node.input[0]], inits[node.input[1]]
-        if data.data_type not in FP6_FORMATS:
+        if data.data_type not in MX_TYPES or scale.data_type != onnx.TensorProto.FLOAT8E8M0:
             continue
-        fmt = FP6_FORMATS[data.data_type]
+        fmt = MX_TYPES[data.data_type]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("axis") != 0 or attrs.get("block_size") != BLOCK or len(data.dims) != 2:
             raise LoweringError(f"{node.name}: only [K, N] weights blocked by {BLOCK} along K (axis 0) are lowered")
         k, n = data.dims
-        codes = unpack_fp6(np.frombuffer(read(data), dtype=np.uint8), k * n).reshape(k, n)
+        raw = np.frombuffer(read(data), dtype=np.uint8)
+        codes = (raw.view(np.int8) if fmt == "int8" else unpack_fp6(raw, k * n)).reshape(k, n)
         exps = np.frombuffer(read(scale), dtype=np.uint8).reshape(tuple(scale.dims))
         w = node.output[0]
         if lowering == "exact":

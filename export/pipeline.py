@@ -61,7 +61,8 @@ def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dl
 
 def weight_passes(spec: ModelSpec) -> PassChain:
     """How a model's weights are stored: MX blocks for its decoder linears, then float16 if asked."""
-    passes = [MXPass(spec.mx_format, spec.mx_lm_head, scale=spec.mx_scale)] if spec.mx_format is not None else []
+    passes = ([MXPass(spec.mx_format, spec.mx_lm_head, scale=spec.mx_scale, int8=spec.mx_int8)]
+              if spec.mx_format is not None else [])
     return PassChain(passes + ([Float16Pass()] if spec.dtype == "float16" else []))
 
 

@@ -10,8 +10,12 @@
 // (its speculation round), and ONNX Runtime's matmuls and softmax sum in an order that follows storage
 // and call shape. Here every score is one fixed-order dot product, and the two sums over keys (the
 // softmax denominator and the weighted values) are exact: each term is rounded once to a fixed-point
-// integer (2^-40 of the row's largest term) and the integers are added, so the order of keys cannot
-// matter. The same set of visible keys therefore gives the same bits, wherever they are stored.
+// integer and the integers are added, so the order of keys cannot matter. The same set of visible keys
+// therefore gives the same bits, wherever they are stored. Denominator terms are p * 2^40 (int64);
+// value terms p * v as one float32 product rounded to 2^-26 of the row's largest |v| (int32 lanes, 8 per
+// instruction, moved into int64 every 16 keys): float32's own precision, at a third of the instructions
+// of int64 terms.
+// exp is one fixed polynomial (the same operations on every path), not the C library's.
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +28,11 @@ namespace mxspd {
 namespace {
 
 constexpr float kHidden = -1e30f;           // mask values at or below: the key is not attended
-constexpr int kFraction = 40;               // fixed-point terms: |term| < 2^40
+constexpr int kFraction = 40;               // denominator terms: p * 2^40 <= 2^40
+constexpr int kValueFraction = 26;          // value terms: |p * v| * 2^(26 - e) <= 2^26, with |v| < 2^e
+constexpr int kMinExponent = -100;          // e at least this (tinier values): 2^(26 - e) stays a float
+constexpr double kDenominatorScale = 1099511627776.0;  // 2^40 (kFraction)
+constexpr size_t kFlush = 16;               // keys per int32 partial sum: 16 * 2^26 = 2^30 < 2^31
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
 constexpr int64_t kMagicBits = 0x4338000000000000;
 
@@ -66,9 +74,43 @@ void scan_scalar(const float* v, int64_t d, float* largest, bool* bad) {
   }
 }
 
-// acc[i] += fixed(factor * v[i]); factor * v[i] is exact in double (24-bit by 24-bit mantissas).
-void accumulate_scalar(int64_t* acc, const float* v, double factor, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] += fixed(factor * static_cast<double>(v[i]));
+// ---- exp(x) for x <= 0: Cephes' expf polynomial, every step an explicit fma, mul or add (so the
+// vector path, lane by lane, gives the same bits); 0 below -86 (where 2^n would leave the normals).
+constexpr float kExpFloor = -86.0f, kLog2e = 1.44269504088896341f, kRound = 12582912.0f;  // 1.5 * 2^23
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+float exp_scalar(float x) {
+  if (!(x >= kExpFloor)) return 0.0f;
+  const float n = std::fma(x, kLog2e, kRound) - kRound;  // round(x * log2 e)
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
+  const float z = r * r;
+  const float y = std::fma(p, z, r) + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  bits += static_cast<int32_t>(n) * (1 << 23);  // * 2^n
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+void probabilities_scalar(const float* score, size_t n, float top, float* prob) {
+  for (size_t i = 0; i < n; ++i) prob[i] = exp_scalar(score[i] - top);
+}
+
+// acc[i] += round(v[i] * factor): one float product, rounded to an integer (ties to even).
+void accumulate_scalar(int32_t* acc, const float* v, float factor, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) acc[i] += static_cast<int32_t>(std::nearbyint(v[i] * factor));
+}
+
+// The int32 partial sums into the int64 ones (exact), and zeroed.
+void flush(int32_t* part, int64_t* num, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) num[i] += part[i];
+  std::fill(part, part + d, 0);
 }
 
 // A row's work over its visible keys, in three passes, each one call per row (so that the vector
@@ -90,12 +132,14 @@ void scores_scalar(const Visible& v, const float* q, float* score) {
     score[n] = dot_scalar(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
 }
 
-void sums_scalar(const Visible& v, const float* score, float top, int e, int64_t* num, int64_t* den) {
+// The softmax's two sums over the visible keys: den += p * 2^40, num += p * v * `scale` (2^(26 - e)).
+void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
   for (size_t n = 0; n < v.n; ++n) {
-    const double prob = std::exp(score[n] - top);  // float exp, widened: (0, 1]
-    *den += fixed(std::ldexp(prob, kFraction));
-    accumulate_scalar(num, v.p.value(v.batch, v.head, v.keys[n]), std::ldexp(prob, kFraction - e), v.p.d);
+    *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+    accumulate_scalar(part, v.p.value(v.batch, v.head, v.keys[n]), prob[n] * scale, v.p.d);
+    if ((n + 1) % kFlush == 0) flush(part, num, v.p.d);
   }
+  flush(part, num, v.p.d);
 }
 
 #ifdef MXSPD_X86
@@ -126,15 +170,34 @@ __attribute__((target("avx2,fma"))) inline void scan_avx2(const float* v, int64_
   scan_scalar(v + i, d - i, largest, bad);
 }
 
-__attribute__((target("avx2,fma"))) inline void accumulate_avx2(int64_t* acc, const float* v, double factor,
+__attribute__((target("avx2,fma"))) void probabilities_avx2(const float* score, size_t n, float top, float* prob) {
+  const __m256 floor = _mm256_set1_ps(kExpFloor), log2e = _mm256_set1_ps(kLog2e), round = _mm256_set1_ps(kRound);
+  const __m256 hi = _mm256_set1_ps(-kLn2Hi), lo = _mm256_set1_ps(-kLn2Lo), one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_set1_ps(top);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(score + i), t);
+    const __m256 keep = _mm256_cmp_ps(x, floor, _CMP_GE_OQ);
+    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, log2e, round), round);
+    __m256 r = _mm256_fmadd_ps(k, hi, x);
+    r = _mm256_fmadd_ps(k, lo, r);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int j = 1; j < 6; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[j]));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), one);
+    const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23));
+    _mm256_storeu_ps(prob + i, _mm256_and_ps(_mm256_castsi256_ps(scaled), keep));
+  }
+  probabilities_scalar(score + i, n - i, top, prob + i);
+}
+
+__attribute__((target("avx2,fma"))) inline void accumulate_avx2(int32_t* acc, const float* v, float factor,
                                                                 int64_t d) {
-  const __m256d f = _mm256_set1_pd(factor), magic = _mm256_set1_pd(kMagic);
-  const __m256i magic_bits = _mm256_set1_epi64x(kMagicBits);
+  const __m256 f = _mm256_set1_ps(factor);
   int64_t i = 0;
-  for (; i + 4 <= d; i += 4) {
-    const __m256d t = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(v + i)), f), magic);
+  for (; i + 8 <= d; i += 8) {
     __m256i* a = reinterpret_cast<__m256i*>(acc + i);
-    _mm256_storeu_si256(a, _mm256_add_epi64(_mm256_loadu_si256(a), _mm256_sub_epi64(_mm256_castpd_si256(t), magic_bits)));
+    const __m256i term = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), f));
+    _mm256_storeu_si256(a, _mm256_add_epi32(_mm256_loadu_si256(a), term));
   }
   accumulate_scalar(acc + i, v + i, factor, d - i);
 }
@@ -143,18 +206,70 @@ __attribute__((target("avx2,fma"))) void scan_values_avx2(const Visible& v, floa
   for (size_t n = 0; n < v.n; ++n) scan_avx2(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
 }
 
+// dot_avx2 for 4 keys at once: the same operations per key, interleaved (one fma chain per key would
+// otherwise wait on the previous fma's latency).
+__attribute__((target("avx2,fma"))) inline void dot4_avx2(const float* x, const float* const y[4], int64_t d,
+                                                          float out[4]) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(xi, _mm256_loadu_ps(y[k] + i), acc[k]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[k]);
+    for (int64_t j = i; j < d; ++j) lanes[j % 8] = std::fma(x[j], y[k][j], lanes[j % 8]);
+    out[k] = lane_sum(lanes);
+  }
+}
+
 __attribute__((target("avx2,fma"))) void scores_avx2(const Visible& v, const float* q, float* score) {
-  for (size_t n = 0; n < v.n; ++n)
+  size_t n = 0;
+  for (; n + 4 <= v.n; n += 4) {
+    const float* keys[4];
+    for (int k = 0; k < 4; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
+    dot4_avx2(q, keys, v.p.d, score + n);
+    for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
+  }
+  for (; n < v.n; ++n)
     score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
 }
 
-__attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float* score, float top, int e,
-                                                   int64_t* num, int64_t* den) {
+// Head size 64 (D8 = 8 vectors): the int32 partial sums stay in registers across keys.
+template <int D8>
+__attribute__((target("avx2,fma"))) void sums_in_registers(const Visible& v, const float* prob, float scale,
+                                                           int32_t* part, int64_t* num, int64_t* den) {
+  __m256i acc[D8];
+  for (int j = 0; j < D8; ++j) acc[j] = _mm256_setzero_si256();
   for (size_t n = 0; n < v.n; ++n) {
-    const double prob = std::exp(score[n] - top);
-    *den += fixed(std::ldexp(prob, kFraction));
-    accumulate_avx2(num, v.p.value(v.batch, v.head, v.keys[n]), std::ldexp(prob, kFraction - e), v.p.d);
+    *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
+    const __m256 f = _mm256_set1_ps(prob[n] * scale);
+    for (int j = 0; j < D8; ++j)
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), f)));
+    if ((n + 1) % kFlush == 0 || n + 1 == v.n) {  // into the int64 sums, widened 4 lanes at a time
+      for (int j = 0; j < D8; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          __m256i* sum = reinterpret_cast<__m256i*>(num + 8 * j + 4 * half);
+          const __m128i lanes = half ? _mm256_extracti128_si256(acc[j], 1) : _mm256_castsi256_si128(acc[j]);
+          _mm256_storeu_si256(sum, _mm256_add_epi64(_mm256_loadu_si256(sum), _mm256_cvtepi32_epi64(lanes)));
+        }
+        acc[j] = _mm256_setzero_si256();
+      }
+    }
   }
+}
+
+__attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float* prob, float scale, int32_t* part,
+                                                   int64_t* num, int64_t* den) {
+  if (v.p.d == 64) return sums_in_registers<8>(v, prob, scale, part, num, den);
+  for (size_t n = 0; n < v.n; ++n) {
+    *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+    accumulate_avx2(part, v.p.value(v.batch, v.head, v.keys[n]), prob[n] * scale, v.p.d);
+    if ((n + 1) % kFlush == 0) flush(part, num, v.p.d);
+  }
+  flush(part, num, v.p.d);
 }
 #endif
 
@@ -172,11 +287,48 @@ void scores(const Visible& v, const float* q, float* score) {
   scores_scalar(v, q, score);
 }
 
-void sums(const Visible& v, const float* score, float top, int e, int64_t* num, int64_t* den) {
+// The indices j of the keys a row sees (mask[j] above kHidden), in order; returns how many.
+size_t visible_scalar(const float* mask, int64_t keys, int64_t* out) {
+  size_t n = 0;
+  for (int64_t j = 0; j < keys; ++j)
+    if (mask[j] > kHidden) out[n++] = j;
+  return n;
+}
+
 #ifdef MXSPD_X86
-  if (kHasAvx2) return sums_avx2(v, score, top, e, num, den);
+__attribute__((target("avx2,fma"))) size_t visible_avx2(const float* mask, int64_t keys, int64_t* out) {
+  const __m256 hidden = _mm256_set1_ps(kHidden);
+  size_t n = 0;
+  int64_t j = 0;
+  for (; j + 8 <= keys; j += 8) {
+    unsigned bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + j), hidden, _CMP_GT_OQ));
+    for (; bits; bits &= bits - 1) out[n++] = j + __builtin_ctz(bits);
+  }
+  for (; j < keys; ++j)
+    if (mask[j] > kHidden) out[n++] = j;
+  return n;
+}
 #endif
-  sums_scalar(v, score, top, e, num, den);
+
+size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return visible_avx2(mask, keys, out);
+#endif
+  return visible_scalar(mask, keys, out);
+}
+
+void probabilities(const float* score, size_t n, float top, float* prob) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return probabilities_avx2(score, n, top, prob);
+#endif
+  probabilities_scalar(score, n, top, prob);
+}
+
+void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return sums_avx2(v, prob, scale, part, num, den);
+#endif
+  sums_scalar(v, prob, scale, part, num, den);
 }
 
 // Query heads per task: a KV head's whole group when every head shares the mask (the values' range
@@ -192,15 +344,16 @@ void task(void* user, size_t index) {
   const int64_t bb = static_cast<int64_t>(index) / (p.t * groups), kv = h0 / (p.hq / p.hkv);
   const float* mask = p.mask + ((bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt) * keys;
   thread_local std::vector<int64_t> visible, num;
-  thread_local std::vector<float> score;
-  visible.clear();
-  for (int64_t j = 0; j < keys; ++j)
-    if (mask[j] > kHidden) visible.push_back(j);
+  thread_local std::vector<int32_t> part;
+  thread_local std::vector<float> score, prob;
+  visible.resize(keys);
+  visible.resize(visible_keys(mask, keys, visible.data()));
   const Visible v{p, bb, kv, visible.data(), visible.size(), mask};
   float largest = 0.0f;
   bool values_bad = false;  // an Inf or NaN value: the output is NaN
   scan_values(v, &largest, &values_bad);
   score.resize(visible.size());
+  prob.resize(visible.size());
   for (int64_t h = h0; h < h0 + g; ++h) {
     const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
     float* y = p.y + ((bb * p.hq + h) * p.t + tt) * p.d;
@@ -218,11 +371,15 @@ void task(void* user, size_t index) {
     }
     int e = 0;
     std::frexp(largest, &e);  // every |value| < 2^e
+    e = std::max(e, kMinExponent);
     num.assign(p.d, 0);
+    part.assign(p.d, 0);
     int64_t den = 0;
-    sums(v, score.data(), top, e, num.data(), &den);
+    probabilities(score.data(), visible.size(), top, prob.data());
+    sums(v, prob.data(), std::ldexp(1.0f, kValueFraction - e), part.data(), num.data(), &den);
     for (int64_t i = 0; i < p.d; ++i)
-      y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), e));
+      y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den),
+                                           e - kValueFraction + kFraction));
   }
 }
 

@@ -1,6 +1,6 @@
 """The weight layouts mxspd's ops read (kernels/*.cc).
 
-ai.mxspd::MXMatMul (mx_matmul.cc): MXFP6 codes at 6 bits each.
+ai.mxspd::MXMatMul (mx_matmul.cc): MXFP6 codes at 6 bits each, or MXINT8 codes at 8 (pack_int8_columns).
 
 Per output column and block of 32 codes c[0..31], 24 bytes: 16 bytes of low nibbles
 (c[j] & 15 | (c[j + 16] & 15) << 4), then 8 bytes of bit pairs: byte j holds the pairs of c[j],
@@ -38,6 +38,15 @@ def pack_columns(codes: np.ndarray) -> np.ndarray:
     top = ((c >> 5) & 1) | ((((c >> 4) & 1) ^ 1) << 1)  # sign, lower-half magnitude
     high = top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)
     return np.ascontiguousarray(np.concatenate([low, high], axis=-1), dtype=np.uint8)
+
+
+def pack_int8_columns(codes: np.ndarray) -> np.ndarray:
+    """MXINT8 codes int8 [K, N] -> uint8 [N, ceil(K/32), 32] (two's complement bytes; K padded with 0)."""
+    k, n = codes.shape
+    kb = -(-k // BLOCK)
+    c = np.zeros((n, kb * BLOCK), dtype=np.int8)
+    c[:, :k] = codes.T
+    return np.ascontiguousarray(c.view(np.uint8).reshape(n, kb, BLOCK))
 
 
 def unpack_columns(packed: np.ndarray, k: int) -> np.ndarray:

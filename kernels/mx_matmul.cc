@@ -14,6 +14,10 @@
 // j, the top two bits of c[j], c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. S uint8 [N, K/32]:
 // E8M0 exponents. K is padded to whole blocks with code 0.
 //
+// weight_bits = 8: MXINT8 instead, W [N, K/32, 32] of int8 codes k, and S holds e - 6 (the value
+// k * 2^-6 * 2^(e-127) = k * 2^(S-127)): 8.25 bits per weight, for the weights a recipe keeps finer
+// (the LM head, sensitive layers). The arithmetic after decoding is the same.
+//
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,19 +31,40 @@ namespace {
 
 // ---- MXFP6 E2M3 -----------------------------------------------------------------------------------
 
-constexpr int kBlock = 32, kBlockBytes = 24;
+constexpr int kBlock = 32;
+template <int WBits>
+constexpr int kBlockBytes = WBits == 8 ? 32 : 24;
 
 // 8 * |value| of E2M3 magnitude codes 16..31 (codes 0..15 are 8 * |value| = code itself).
 alignas(16) constexpr int8_t kHighMagnitudes[16] = {16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48, 52, 56, 60};
 
+// 2^(e - 127 - shift): the block scale with the integer weights' step folded in (E2M3: 8 * value is
+// an integer, shift 3; MXINT8: S already holds the 2^-6, shift 0); 255 is NaN.
 struct ScaleTable {
-  float v[256];  // 2^(e - 127) / 8: the block scale with E2M3's 1/8 folded in; 255 is NaN
-  ScaleTable() {
-    for (int e = 0; e < 255; ++e) v[e] = std::ldexp(1.0f, e - 127 - 3);
+  float v[256];
+  explicit ScaleTable(int shift) {
+    for (int e = 0; e < 255; ++e) v[e] = std::ldexp(1.0f, e - 127 - shift);
     v[255] = NAN;
   }
 };
-const ScaleTable kScales;
+const ScaleTable kScalesE2M3(3), kScalesInt8(0);
+template <int WBits>
+const float* scales() { return WBits == 8 ? kScalesInt8.v : kScalesE2M3.v; }
+
+// The integer weights of the 32 codes of one block: 8 * value (E2M3) or the code itself (MXINT8).
+template <int WBits>
+void decode_scalar(const uint8_t* blk, int32_t w[kBlock]) {
+  for (int j = 0; j < kBlock; ++j) {
+    if constexpr (WBits == 8) {
+      w[j] = static_cast<int8_t>(blk[j]);
+    } else {
+      const int lo = (j < 16 ? blk[j] : blk[j - 16] >> 4) & 15;
+      const int pair = (blk[16 + (j & 7)] >> (2 * (j >> 3))) & 3;  // bit 0: sign, bit 1: low half
+      const int mag = (pair & 2) ? lo : kHighMagnitudes[lo];
+      w[j] = (pair & 1) ? -mag : mag;
+    }
+  }
+}
 
 // Activations, row by row and block by block, as integers with a float32 scale (absmax / qmax):
 // exact integer products with the int8 weights (8 * value), float32 only once per block. Bits = 16
@@ -78,11 +103,11 @@ struct Activations {
   }
 };
 
-template <int Bits>
+template <int WBits, int Bits>
 struct Problem {
   const typename Activations<Bits>::Int* xq;  // [M, KB * 32]
   const float* xs;                            // [M, KB]
-  const uint8_t* w;                           // [N, KB, 24]
+  const uint8_t* w;                           // [N, KB, kBlockBytes<WBits>]
   const uint8_t* s;                           // [N, KB]
   float* y;                                   // [M, N]
   int64_t m, n, kb;
@@ -100,19 +125,13 @@ constexpr int lane_product(int l, int i) {
 
 // The portable path: the vector path's arithmetic lane by lane (integer sums are exact, and the
 // float operations are the same in the same order, so both give the same bits).
-template <int Bits>
-void column_scalar(const Problem<Bits>& p, int64_t col, int64_t row0, int rows) {
+template <int WBits, int Bits>
+void column_scalar(const Problem<WBits, Bits>& p, int64_t col, int64_t row0, int rows) {
   float acc[kRowGroup][8] = {};
   for (int64_t b = 0; b < p.kb; ++b) {
-    const uint8_t* blk = p.w + (col * p.kb + b) * kBlockBytes;
     int32_t w[kBlock];
-    for (int j = 0; j < kBlock; ++j) {
-      const int lo = (j < 16 ? blk[j] : blk[j - 16] >> 4) & 15;
-      const int pair = (blk[16 + (j & 7)] >> (2 * (j >> 3))) & 3;  // bit 0: sign, bit 1: low half
-      const int mag = (pair & 2) ? lo : kHighMagnitudes[lo];
-      w[j] = (pair & 1) ? -mag : mag;
-    }
-    const float wscale = kScales.v[p.s[col * p.kb + b]];
+    decode_scalar<WBits>(p.w + (col * p.kb + b) * kBlockBytes<WBits>, w);
+    const float wscale = scales<WBits>()[p.s[col * p.kb + b]];
     for (int r = 0; r < rows; ++r) {
       const auto* x = p.xq + (row0 + r) * p.kb * kBlock + b * kBlock;
       const float scale = wscale * p.xs[(row0 + r) * p.kb + b];
@@ -127,20 +146,16 @@ void column_scalar(const Problem<Bits>& p, int64_t col, int64_t row0, int rows) 
 }
 
 #ifdef MXSPD_X86
-// Rows is a template argument so that the accumulators live in registers.
-template <int Bits, int Rows>
-__attribute__((target("avx2,fma"))) void column_avx2(const Problem<Bits>& p, int64_t col, int64_t row0) {
-  const __m256i low4 = _mm256_set1_epi8(15), low_half = _mm256_set1_epi8(char(0x80)), sign = _mm256_set1_epi8(0x40);
-  const __m256i one = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-  const __m256i nibble_shift = _mm256_setr_epi64x(0, 0, 4, 4), pair_shift = _mm256_setr_epi64x(6, 4, 2, 0);
-  const __m256i high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHighMagnitudes)));
-  __m256 acc[Rows];
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
-  const uint8_t* blk = p.w + col * p.kb * kBlockBytes;
-  const uint8_t* sc = p.s + col * p.kb;
-  const int64_t stride = p.kb * kBlock;
-  for (int64_t b = 0; b < p.kb; ++b, blk += kBlockBytes) {
-    // 32 codes -> magnitudes (8 * |value|, unsigned bytes) and a sign mask, in registers.
+// 32 codes -> their integer weights as int8 (codes 0-15 in the low 128 bits, 16-31 in the high).
+template <int WBits>
+__attribute__((target("avx2,fma"))) inline __m256i decode_avx2(const uint8_t* blk) {
+  if constexpr (WBits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(15), low_half = _mm256_set1_epi8(char(0x80)), sign = _mm256_set1_epi8(0x40);
+    const __m256i nibble_shift = _mm256_setr_epi64x(0, 0, 4, 4), pair_shift = _mm256_setr_epi64x(6, 4, 2, 0);
+    const __m256i high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kHighMagnitudes)));
+    // magnitudes (8 * |value|, unsigned bytes) and a sign mask, in registers
     const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(q, nibble_shift), low4);  // codes 0-15 | 16-31
     const __m256i pairs = _mm256_sllv_epi64(_mm256_broadcastq_epi64(_mm_loadl_epi64(
@@ -148,17 +163,31 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<Bits>& p, int
     const __m256i idx = _mm256_or_si256(lo, _mm256_and_si256(pairs, low_half));  // bit 7: shuffle gives 0
     const __m256i mag = _mm256_max_epu8(_mm256_shuffle_epi8(high, idx), lo);
     const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(pairs, sign), sign);
-    const __m256 wscale = _mm256_set1_ps(kScales.v[sc[b]]);
+    return _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
+  }
+}
+
+// Rows is a template argument so that the accumulators live in registers.
+template <int WBits, int Bits, int Rows>
+__attribute__((target("avx2,fma"))) void column_avx2(const Problem<WBits, Bits>& p, int64_t col, int64_t row0) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  __m256 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* blk = p.w + col * p.kb * kBlockBytes<WBits>;
+  const uint8_t* sc = p.s + col * p.kb;
+  const int64_t stride = p.kb * kBlock;
+  for (int64_t b = 0; b < p.kb; ++b, blk += kBlockBytes<WBits>) {
+    const __m256i v = decode_avx2<WBits>(blk);
+    const __m256 wscale = _mm256_set1_ps(scales<WBits>()[sc[b]]);
     if constexpr (Bits == 8) {
-      const __m256i sign1 = _mm256_or_si256(neg, one);  // -1 or +1: moves each weight's sign onto x
+      const __m256i mag = _mm256_abs_epi8(v);  // maddubs: unsigned weights, each weight's sign moved onto x
       for (int r = 0; r < Rows; ++r) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (row0 + r) * stride + b * kBlock));
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, sign1)), ones16);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, v)), ones16);
         const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(p.xs[(row0 + r) * p.kb + b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
       }
     } else {
-      const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
       for (int r = 0; r < Rows; ++r) {
@@ -180,17 +209,18 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<Bits>& p, int
 
 #endif
 
-template <int Bits>
+template <int WBits, int Bits>
 void tile(void* user, size_t index) {
-  const Problem<Bits>& p = *static_cast<const Problem<Bits>*>(user);
+  const Problem<WBits, Bits>& p = *static_cast<const Problem<WBits, Bits>*>(user);
   const int64_t end = std::min<int64_t>(p.n, (static_cast<int64_t>(index) + 1) * kTileColumns);
   for (int64_t col = static_cast<int64_t>(index) * kTileColumns; col < end; ++col) {
     for (int64_t row = 0; row < p.m; row += kRowGroup) {
       const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, p.m - row));
 #ifdef MXSPD_X86
       if (kHasAvx2) {
-        constexpr void (*kByRows[kRowGroup])(const Problem<Bits>&, int64_t, int64_t) = {
-            column_avx2<Bits, 1>, column_avx2<Bits, 2>, column_avx2<Bits, 3>, column_avx2<Bits, 4>};
+        constexpr void (*kByRows[kRowGroup])(const Problem<WBits, Bits>&, int64_t, int64_t) = {
+            column_avx2<WBits, Bits, 1>, column_avx2<WBits, Bits, 2>, column_avx2<WBits, Bits, 3>,
+            column_avx2<WBits, Bits, 4>};
         kByRows[rows - 1](p, col, row);
         continue;
       }
@@ -200,34 +230,41 @@ void tile(void* user, size_t index) {
   }
 }
 
-template <int Bits>
+template <int WBits, int Bits>
 OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void* s, float* y, int64_t m, int64_t k,
                int64_t n, int64_t kb) {
   thread_local Activations<Bits> x;  // reused call after call by the thread that runs the op
   x.fill(a, m, k, kb);
-  Problem<Bits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s), y, m, n,
-                  kb};
-  return g_api.parallel_for(ctx, tile<Bits>, static_cast<size_t>((n + kTileColumns - 1) / kTileColumns), &p);
+  Problem<WBits, Bits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s),
+                         y, m, n, kb};
+  return g_api.parallel_for(ctx, tile<WBits, Bits>, static_cast<size_t>((n + kTileColumns - 1) / kTileColumns), &p);
 }
 
 // ---- the op ---------------------------------------------------------------------------------------
 
 struct Kernel {
-  int64_t k, n, activation_bits;
+  int64_t k, n, activation_bits, weight_bits;
 };
+
+// An optional integer attribute: `fallback` unless given.
+void optional_attribute(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) {
+  if (OrtStatus* s = g_api.attribute(info, name, out)) {
+    g_api.release(s);
+    *out = fallback;
+  }
+}
 
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   int64_t k = 0, n = 0;
   if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
   if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
-  int64_t bits = 16;
-  if (OrtStatus* s = g_api.attribute(info, "activation_bits", &bits)) {
-    g_api.release(s);  // optional: 16 unless given
-    bits = 16;
-  }
+  int64_t bits = 16, wbits = 6;
+  optional_attribute(info, "activation_bits", 16, &bits);
+  optional_attribute(info, "weight_bits", 6, &wbits);
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
-  *out = new (std::nothrow) Kernel{k, n, bits};
+  if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
+  *out = new (std::nothrow) Kernel{k, n, bits, wbits};
   return *out ? nullptr : g_api.error("MXMatMul: out of memory");
 }
 
@@ -242,8 +279,10 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   const int64_t kb = (kernel.k + kBlock - 1) / kBlock;
   if (adims.empty() || adims.back() != kernel.k)
     return g_api.error("MXMatMul: the last dimension of A must equal attribute K");
-  if (wdims != std::vector<int64_t>{kernel.n, kb, kBlockBytes} || sdims != std::vector<int64_t>{kernel.n, kb})
-    return g_api.error("MXMatMul: W must be uint8 [N, ceil(K/32), 24] and S uint8 [N, ceil(K/32)]");
+  const int64_t block_bytes = kernel.weight_bits == 8 ? kBlockBytes<8> : kBlockBytes<6>;
+  if (wdims != std::vector<int64_t>{kernel.n, kb, block_bytes} || sdims != std::vector<int64_t>{kernel.n, kb})
+    return g_api.error("MXMatMul: W must be uint8 [N, ceil(K/32), 24 (weight_bits 6) or 32 (8)] and S uint8 "
+                       "[N, ceil(K/32)]");
   int64_t m = 1;
   for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
   std::vector<int64_t> ydims = adims;
@@ -256,8 +295,9 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   if (m == 0) return nullptr;
   const auto* rows = static_cast<const float*>(pa);
   auto* out = static_cast<float*>(py);
-  return kernel.activation_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb)
-                                     : run<16>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb);
+  constexpr OrtStatus* (*kRun[2][2])(OrtKernelContext*, const float*, const void*, const void*, float*, int64_t,
+                                     int64_t, int64_t, int64_t) = {{run<6, 8>, run<6, 16>}, {run<8, 8>, run<8, 16>}};
+  return kRun[kernel.weight_bits == 8][kernel.activation_bits == 16](ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb);
 }
 
 }  // namespace

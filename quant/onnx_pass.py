@@ -7,6 +7,10 @@ replaced by FLOAT6 codes [K, N] (packed 4 in 3 bytes), FLOAT8E8M0 scales [ceil(K
 consumers are untouched. This is the portable form (opset 28): ONNX Runtime cannot run FLOAT6,
 so the compiler lowers it per target. Embeddings and norms stay as they are.
 
+Weights a recipe names as sensitive (`mx_int8`, "lm_head" among them) are MXINT8 instead: INT8
+codes k with value k * 2^-6 * 2^(e-127); the graph stores the exponent e - 6 (INT8_EXPONENT_SHIFT)
+so that a standard DequantizeLinear (k * scale) gives exactly the MX value.
+
 A pass works one weight at a time (`store`: the tensors that replace it) and then adds, to each
 graph, the nodes that turn the stored tensors back into the weight (`nodes`). The exporter streams
 a checkpoint's tensors through the passes into the weights file, so no graph ever holds the whole
@@ -33,7 +37,9 @@ from quant.packing import pack_fp6
 
 MX_OPSET = 28  # first DequantizeLinear accepting FLOAT6 data with E8M0 scales
 CODES_SUFFIX, SCALES_SUFFIX = ".mx_codes", ".mx_scales"
-ONNX_TYPES = {"fp6_e2m3": onnx.TensorProto.FLOAT6E2M3, "fp6_e3m2": onnx.TensorProto.FLOAT6E3M2}
+ONNX_TYPES = {"fp6_e2m3": onnx.TensorProto.FLOAT6E2M3, "fp6_e3m2": onnx.TensorProto.FLOAT6E3M2,
+              "int8": onnx.TensorProto.INT8}
+INT8_EXPONENT_SHIFT = 6  # MXINT8's element scale 2^-6, folded into the stored E8M0 exponent
 DECODER_LINEAR = re.compile(r"^(layers|h)\.\d+\..+\.weight\.T$")  # decoder blocks: Llama family, CodeGen
 LM_HEAD = "lm_head.weight.T"
 
@@ -46,7 +52,9 @@ class QuantSummary:
     block_size: int
     rounding: str
     scale: str  # how block exponents were chosen (quant.mx.SCALE_CHOICES)
-    lm_head: bool
+    lm_head: bool  # the LM head is quantized (in `format`, or MXINT8 if `int8` names it)
+    int8: tuple[str, ...]  # name fragments of the weights stored MXINT8 instead of `format`
+    int8_tensors: int
     tensors: int
     elements: int
     mx_bytes: int  # packed codes + scales, as stored
@@ -61,17 +69,35 @@ def selected(name: str, lm_head: bool) -> bool:
     return bool(DECODER_LINEAR.match(name)) or (lm_head and name == LM_HEAD)
 
 
+def _int8_graph_form(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXINT8 (codes, exponents e) -> (codes, e - 6) for DequantizeLinear. A block whose e < 6 (all of
+    its values below 2^-120) cannot store e - 6: its codes are shifted right instead (to zero, in
+    practice). NaN (255) stays NaN."""
+    e = scales.astype(np.int32)
+    shift = np.where(e == 255, 0, np.maximum(INT8_EXPONENT_SHIFT - e, 0))
+    stored = np.where(e == 255, 255, e - INT8_EXPONENT_SHIFT + shift).astype(np.uint8)
+    if shift.any():
+        k = codes.view(np.int8).astype(np.int32)
+        codes = np.round(k / np.ldexp(1.0, np.repeat(shift, BLOCK, axis=-1)[..., : k.shape[-1]])).astype(np.int8)
+    return codes.view(np.uint8), stored
+
+
 def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str, scale: str = "spec"
                ) -> tuple[onnx.TensorProto, onnx.TensorProto]:
-    """Quantize W[K, N] along K into (FLOAT6 codes [K, N], E8M0 scales [ceil(K/32), N]) initializers."""
+    """Quantize W[K, N] along K into (codes [K, N], E8M0 scales [ceil(K/32), N]) initializers: FLOAT6
+    codes packed 4 in 3 bytes, or INT8 codes with the exponents shifted (_int8_graph_form)."""
     k, n = w.shape
     t = quantize(w, fmt, axis=0, block_size=BLOCK, rounding=rounding, name=name, scale=scale)
-    codes = np.ascontiguousarray(t.codes[:, :k].T)  # quantize moved K last: back to [K, N]
-    packed = pack_fp6(codes)[: math.ceil(6 * k * n / 8)]  # ONNX raw_data holds exactly ceil(6n/8) bytes
-    code_t = helper.make_tensor(name + CODES_SUFFIX, ONNX_TYPES[fmt], [k, n], packed.tobytes(), raw=True)
+    codes, scales = t.codes, t.scales
+    if fmt == "int8":
+        codes, scales = _int8_graph_form(codes, scales)
+    codes = np.ascontiguousarray(codes[:, :k].T)  # quantize moved K last: back to [K, N]
+    # ONNX raw_data holds exactly ceil(6n/8) bytes of FLOAT6
+    data = codes if fmt == "int8" else pack_fp6(codes)[: math.ceil(6 * k * n / 8)]
+    code_t = helper.make_tensor(name + CODES_SUFFIX, ONNX_TYPES[fmt], [k, n], data.tobytes(), raw=True)
     scale_t = helper.make_tensor(
-        name + SCALES_SUFFIX, onnx.TensorProto.FLOAT8E8M0, [t.scales.shape[1], n],
-        np.ascontiguousarray(t.scales.T).tobytes(), raw=True,
+        name + SCALES_SUFFIX, onnx.TensorProto.FLOAT8E8M0, [scales.shape[1], n],
+        np.ascontiguousarray(scales.T).tobytes(), raw=True,
     )
     return code_t, scale_t
 
@@ -91,15 +117,23 @@ class WeightPass(Protocol):
 
 
 class MXPass:
-    """Selected MatMul weights -> FLOAT6 codes, E8M0 scales and a DequantizeLinear named as the weight."""
+    """Selected MatMul weights -> MX codes, E8M0 scales and a DequantizeLinear named as the weight.
+
+    `int8`: name fragments (e.g. "lm_head", "layers.0.", "down_proj") of the weights stored MXINT8
+    instead of `fmt`; "lm_head" also selects the LM head."""
 
     def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
-                 scale: str = "spec") -> None:
+                 scale: str = "spec", int8: tuple[str, ...] = ()) -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
-        self.fmt, self.lm_head, self.rounding, self.scale = fmt, lm_head, rounding, scale
+        self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
+        self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
-        self.elements = self.stored_bytes = 0
+        self.elements = self.stored_bytes = self.int8_tensors = 0
+
+    def format_of(self, name: str) -> str:
+        """The MX element format weight `name` is stored in."""
+        return "int8" if any(f in name for f in self.int8) else self.fmt
 
     def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
         if not (matmul and selected(t.name, self.lm_head)):
@@ -111,7 +145,9 @@ class MXPass:
         w = numpy_helper.to_array(t)
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"weight {t.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
-        codes, scales = mx_tensors(t.name, w, self.fmt, self.rounding, self.scale)
+        fmt = self.format_of(t.name)
+        codes, scales = mx_tensors(t.name, w, fmt, self.rounding, self.scale)
+        self.int8_tensors += fmt == "int8"
         self.quantized[t.name] = (codes.name, scales.name)
         self.elements += w.size
         self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
@@ -128,8 +164,8 @@ class MXPass:
         set_default_opset(model, MX_OPSET)
 
     def summary(self) -> QuantSummary:
-        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, len(self.quantized),
-                            self.elements, self.stored_bytes, 2 * self.elements)
+        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, self.int8, self.int8_tensors,
+                            len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:
         s = self.summary()

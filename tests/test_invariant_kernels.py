@@ -80,7 +80,8 @@ def run_attention(inputs, scale=0.25, standard=False):
 
 def test_attention_values_against_float64():
     rng = np.random.default_rng(0)
-    for shape in [dict(), dict(hq=6, hkv=3, d=20, t=1), dict(hq=2, hkv=2, c=40, t=5)]:
+    # head size 64 keeps its sums in registers; over 256 visible keys the int32 sums move to int64
+    for shape in [dict(), dict(hq=6, hkv=3, d=20, t=1), dict(hq=2, hkv=2, c=40, t=5), dict(d=64, c=700, t=2)]:
         inputs = attention_inputs(rng, **shape)
         np.testing.assert_allclose(run_attention(inputs), reference(*inputs, 0.25), rtol=0, atol=2e-6)
 
@@ -127,11 +128,12 @@ def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loops on any CPU."""
     rng = np.random.default_rng(3)
     inputs = attention_inputs(rng, d=20, c=30, t=5)  # t >= 4: query heads grouped per KV head
+    wide = attention_inputs(rng, d=64, c=700, t=2, visible=0.9)  # sums in registers, moved to int64
     w, a = rng.standard_normal((70, 90)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", *inputs, w=w, a=a)
+    np.savez(tmp_path / "in.npz", *inputs, *wide, w=w, a=a)
     code = ("import sys, numpy as np; from tests.test_invariant_kernels import *;"
-            "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(6)];"
+            "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(12)];"
             "y = session(row_matmul_model(z['w'], None)).run(None, {'a': z['a']})[0];"
-            "sys.stdout.buffer.write(run_attention(i).tobytes() + y.tobytes())")
+            "sys.stdout.buffer.write(run_attention(i[:6]).tobytes() + run_attention(i[6:]).tobytes() + y.tobytes())")
     vector, portable = vector_and_portable(code, str(tmp_path / "in.npz"))
     assert len(vector) > 0 and vector == portable

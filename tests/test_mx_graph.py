@@ -70,6 +70,36 @@ def renamed(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     return model
 
 
+@pytest.mark.parametrize("name,int8", [(WEIGHT, ("mlp.up",)), (WEIGHT, ("layers.1.",)),
+                                       ("lm_head.weight.T", ("lm_head",))])
+def test_weights_named_in_mx_int8_are_standard_mxint8_blocks(name, int8):
+    """MXINT8 in the graph: INT8 codes and E8M0 exponents holding the element's 2^-6, so onnx's own
+    DequantizeLinear gives the MX values, tiny blocks too (exponent below 6: stored shifted)."""
+    w = weights(64, 24)
+    w[:, 3] *= 1e-37  # blocks whose MX exponent is below 6
+    model = renamed(matmul_model(w), name)
+    mx = MXPass("fp6_e2m3", int8=int8)
+    assert apply_passes(model, [mx]) == 1
+    onnx.checker.check_model(model, full_check=True)
+    fmt = "int8" if any(f in name for f in int8) else "fp6_e2m3"
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert types[name + ".mx_codes"] == (onnx.TensorProto.INT8 if fmt == "int8" else onnx.TensorProto.FLOAT6E2M3)
+    assert mx.summary().int8_tensors == (fmt == "int8")
+    model.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    x = np.zeros((1, 3, 64), np.float32)
+    dequantized = ReferenceEvaluator(model).run(None, {"x": x})[1]
+    ref = fake_quantize(w, fmt, axis=0)
+    np.testing.assert_array_equal(dequantized[:, [0, 1, 2, 4]], ref[:, [0, 1, 2, 4]])
+    np.testing.assert_allclose(dequantized[:, 3], ref[:, 3], rtol=0, atol=2.0**-128)
+
+
+def test_mx_int8_needs_mx_weights_and_real_fragments():
+    with pytest.raises(RecipeError, match="need mx_format"):
+        recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_int8": ["lm_head"]}})
+    with pytest.raises(RecipeError, match="empty name fragment"):
+        recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_format": "fp6_e2m3", "mx_int8": [""]}})
+
+
 def test_lm_head_follows_the_option_and_unknown_weights_are_refused():
     head = renamed(matmul_model(weights(64, 32)), "lm_head.weight.T")
     assert quantize_model(onnx.ModelProto.FromString(head.SerializeToString())) == 0

@@ -15,15 +15,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 import kernels
 from common.targets import session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
-from kernels.layout import pack_columns, unpack_columns
+from kernels.layout import pack_columns, pack_int8_columns, unpack_columns
 from quant import element_values, fake_quantize
-from quant.onnx_pass import quantize_model
-from tests.test_mx_graph import WEIGHT, matmul_model, weights
+from quant.onnx_pass import MXPass, apply_passes, quantize_model
+from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
 
 needs_library = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 
@@ -34,6 +35,14 @@ def test_library_is_built_where_a_compiler_is():
     assert kernels.library_path() is not None, "pip install found a compiler but did not build kernels/_mxspd_ort"
 
 
+def test_int8_layout_keeps_two_complement_codes_by_column():
+    codes = np.random.default_rng(0).integers(-127, 128, (70, 5)).astype(np.int8)
+    packed = pack_int8_columns(codes)
+    assert packed.shape == (5, 3, 32) and packed.dtype == np.uint8  # 8.25 bits per weight with the scale
+    np.testing.assert_array_equal(packed.view(np.int8).reshape(5, -1)[:, :70], codes.T)
+    assert not packed.reshape(5, -1)[:, 70:].any()
+
+
 def test_layout_round_trips_every_code():
     codes = np.random.default_rng(0).integers(0, 64, (70, 5)).astype(np.uint8)
     packed = pack_columns(codes)
@@ -42,12 +51,16 @@ def test_layout_round_trips_every_code():
 
 
 def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list) -> onnx.ModelProto:
+    """MXMatMul on MXFP6 E2M3 codes (uint8) or MXINT8 codes (int8, exponents already holding the 2^-6)."""
     k, n = codes.shape
-    node = helper.make_node("MXMatMul", ["a", "w", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n, activation_bits=bits)
+    int8 = codes.dtype == np.int8
+    node = helper.make_node("MXMatMul", ["a", "w", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n, activation_bits=bits,
+                            weight_bits=8 if int8 else 6)
+    packed = pack_int8_columns(codes) if int8 else pack_columns(codes)
     graph = helper.make_graph(
         [node], "mx", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(pack_columns(codes), "w"), numpy_helper.from_array(np.ascontiguousarray(exps.T), "s")])
+        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(np.ascontiguousarray(exps.T), "s")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
 
 
@@ -67,26 +80,37 @@ def reference(a: np.ndarray, codes: np.ndarray, exps: np.ndarray, bits: int) -> 
     step = np.where(amax > 0, (amax / qmax).astype(np.float32), 0).astype(np.float64)
     inv = np.where(amax > 0, (qmax / amax).astype(np.float32), 0).astype(np.float32)
     q = np.rint((blocks.astype(np.float32) * inv).astype(np.float32)).astype(np.float64) * step
-    w = element_values("fp6_e2m3")[codes].astype(np.float64) * np.ldexp(1.0, exps.astype(int) - 127).repeat(32, 0)[:k]
-    return q.reshape(-1, kb * 32)[:, :k] @ w
+    return q.reshape(-1, kb * 32)[:, :k] @ weight_values(codes, exps)
 
 
-def random_mx(k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def weight_values(codes: np.ndarray, exps: np.ndarray) -> np.ndarray:
+    """float64 [K, N]: E2M3 values, or MXINT8 codes, times the blocks' 2^(e-127)."""
+    values = codes.astype(np.float64) if codes.dtype == np.int8 else element_values("fp6_e2m3")[codes]
+    return values * np.ldexp(1.0, exps.astype(int) - 127).repeat(32, 0)[: codes.shape[0]]
+
+
+def random_mx(k: int, n: int, seed: int = 0, wbits: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """Random codes (E2M3, or MXINT8's symmetric int8) and block exponents near 1."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 64, (k, n)).astype(np.uint8), rng.integers(118, 132, (-(-k // 32), n)).astype(np.uint8)
+    codes = (rng.integers(-127, 128, (k, n)).astype(np.int8) if wbits == 8
+             else rng.integers(0, 64, (k, n)).astype(np.uint8))
+    return codes, rng.integers(118, 132, (-(-k // 32), n)).astype(np.uint8) - (6 if wbits == 8 else 0)
+
+
+WBITS = pytest.mark.parametrize("wbits", [6, 8], ids=["mxfp6", "mxint8"])
 
 
 @needs_library
+@WBITS
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("k,n", [(96, 40), (70, 19), (576, 192)])
-def test_values_follow_the_documented_arithmetic(bits, k, n):
-    codes, exps = random_mx(k, n)
+def test_values_follow_the_documented_arithmetic(bits, k, n, wbits):
+    codes, exps = random_mx(k, n, wbits=wbits)
     a = np.random.default_rng(1).standard_normal((6, k)).astype(np.float32)
     y = session(mx_matmul_model(codes, exps, bits, [6, k])).run(None, {"a": a})[0]
     ref = reference(a, codes, exps, bits)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    exact = a.astype(np.float64) @ (element_values("fp6_e2m3")[codes] * np.ldexp(1.0, exps.astype(int) - 127)
-                                    .repeat(32, 0)[:k])
+    exact = a.astype(np.float64) @ weight_values(codes, exps)
     err = np.abs(y - exact).max() / np.abs(exact).max()
     # int16 activations: within float32-accumulation noise of the exact product; int8: ~0.5% as MatMulNBits' level 4
     assert err < (1e-4 if bits == 16 else 2e-2), err
@@ -94,9 +118,10 @@ def test_values_follow_the_documented_arithmetic(bits, k, n):
 
 
 @needs_library
+@WBITS
 @pytest.mark.parametrize("bits", [16, 8])
-def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits):
-    codes, exps = random_mx(576, 200, seed=3)
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits, wbits):
+    codes, exps = random_mx(576, 200, seed=3, wbits=wbits)
     a = np.random.default_rng(4).standard_normal((13, 576)).astype(np.float32)
     s = session(mx_matmul_model(codes, exps, bits, [None, 576]))
     full = s.run(None, {"a": a})[0]
@@ -120,15 +145,17 @@ def test_non_finite_activations_stay_in_their_row():
 
 
 @needs_library
-def test_portable_path_gives_the_vector_paths_bits(tmp_path):
+@WBITS
+@pytest.mark.parametrize("bits", [16, 8])
+def test_portable_path_gives_the_vector_paths_bits(tmp_path, bits, wbits):
     """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loop on any CPU."""
-    codes, exps = random_mx(100, 33, seed=5)
+    codes, exps = random_mx(100, 33, seed=5, wbits=wbits)
     np.save(tmp_path / "a.npy", np.random.default_rng(6).standard_normal((5, 100)).astype(np.float32))
     code = ("import sys, numpy as np, onnx; from tests.test_native_kernel import session;"
             "m = onnx.load_from_string(sys.stdin.buffer.read()); a = np.load(sys.argv[1]);"
             "sys.stdout.buffer.write(session(m).run(None, {'a': a})[0].tobytes())")
     vector, portable = vector_and_portable(code, str(tmp_path / "a.npy"),
-                                           stdin=mx_matmul_model(codes, exps, 16, [5, 100]).SerializeToString())
+                                           stdin=mx_matmul_model(codes, exps, bits, [5, 100]).SerializeToString())
     np.testing.assert_array_equal(np.frombuffer(vector, np.float32), np.frombuffer(portable, np.float32))
 
 
@@ -149,8 +176,12 @@ def test_bad_shapes_are_refused_with_a_message():
     model = mx_matmul_model(codes, exps, 16, [2, None])
     with pytest.raises(Exception, match="last dimension of A must equal attribute K"):
         session(model).run(None, {"a": np.ones((2, 65), np.float32)})
-    model.graph.node[0].attribute[-1].i = 4
+    bits = next(a for a in model.graph.node[0].attribute if a.name == "activation_bits")
+    bits.i = 4
     with pytest.raises(Exception, match="activation_bits must be 8 or 16"):
+        session(model)
+    bits.i, next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 16, 4
+    with pytest.raises(Exception, match="weight_bits must be 6"):
         session(model)
 
 
@@ -168,6 +199,29 @@ def test_native_lowering_runs_mxmatmul_on_the_mx_values(lowering, tmp_path):
                              providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     exact = x @ fake_quantize(w, "fp6_e2m3", axis=0)
     np.testing.assert_allclose(y, exact, rtol=0, atol=(1e-4 if lowering == "native" else 2e-2) * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("lowering", ["native", "native8", "fused", "exact"])
+def test_every_lowering_runs_an_mxint8_lm_head_on_its_mx_values(lowering):
+    """A recipe's mx_int8 = ["lm_head"]: INT8 codes + E8M0 exponents holding the 2^-6 (standard
+    DequantizeLinear gives exactly the MX values), then each lowering of them."""
+    if lowering.startswith("native") and kernels.library_path() is None:
+        pytest.skip("native kernel library not built here")
+    w = weights(96, 40)
+    model = renamed(matmul_model(w), "lm_head.weight.T")
+    mx = MXPass(int8=("lm_head",))
+    assert apply_passes(model, [mx]) == 1 and mx.summary().int8_tensors == 1 and mx.summary().lm_head
+    stored = {t.name: t.data_type for t in model.graph.initializer}
+    assert stored["lm_head.weight.T.mx_codes"] == onnx.TensorProto.INT8
+    x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
+    exact = x @ fake_quantize(w, "int8", axis=0)
+    np.testing.assert_array_equal(ReferenceEvaluator(model).run(None, {"x": x})[0], exact)  # the portable graph
+    assert lower_model(model, lowering) == {"lm_head.weight.T": "int8"}
+    y = ort.InferenceSession(model.SerializeToString(), session_options(),
+                             providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    # int8 activations; int16 ones; float32 sums of the exact values
+    tol = {"native8": 2e-2, "fused": 2e-2, "native": 1e-4}.get(lowering, 1e-5)
+    np.testing.assert_allclose(y, exact, rtol=0, atol=tol * np.abs(exact).max())
 
 
 def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(monkeypatch):

@@ -107,9 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--configs", help=f"comma-separated subset of {list(CONFIGS)} (fp32 always runs first)")
+    parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
+                        help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
+                             "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
     args = parser.parse_args(argv)
+    configs = CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
+                                                                 {"mx_int8": tuple(f.split(","))})
+                         for f in args.mx_int8}
     chosen = ["fp32", *(c for c in (args.configs or ",".join(CONFIGS)).split(",") if c != "fp32")]
-    if unknown := sorted(set(chosen) - set(CONFIGS)):
+    chosen += [c for c in configs if c not in CONFIGS]
+    if unknown := sorted(set(chosen) - set(configs)):
         parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
     recipe = get_recipe(args.recipe)
     out_dir = args.out / recipe.name
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(recipe.prompts)
     differing: dict[str, list] = {}
     for name in chosen:
-        fmt, lowering, scale, settings = CONFIGS[name]
+        fmt, lowering, scale, settings = configs[name]
         r = variant(recipe, fmt, lowering, with_dlm=False, scale=scale)
         art_dir = build_cached(replace(r, tlm=replace(r.tlm, **settings)), out_dir / name.replace(" ", "-"))
         art = runtime.load_artifact(art_dir)

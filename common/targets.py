@@ -92,13 +92,24 @@ def session_options(threads: int | None = None, library: Path | None = None) -> 
     return so
 
 
+def spin_within_calls(so: ort.SessionOptions) -> ort.SessionOptions:
+    """A session's pool threads spin between the ops of a call and stop when it returns.
+
+    Generation alternates sessions (prefill, decode; DLM steps, TLM scoring): a pool whose threads
+    spin after its call takes the cores from the next session's call (inside SpD that made a TLM
+    scoring call cost 2-3x a decode step), and a pool that never spins wakes its threads for each
+    of a call's ~240 parallel ops (two threads were then no faster than one). docs/benchmarks.md:
+    1.4x per decode call.
+    """
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+    return so
+
+
 def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
     so = session_options(threads)
-    # Generation alternates sessions (prefill, decode; DLM steps, TLM scoring). A pool whose
-    # threads spin after its call takes the cores from the next session's call: inside SpD
-    # that made a TLM scoring call cost 2-3x a decode step (docs/benchmarks.md).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    spin_within_calls(so)
     if target in PREPACKED_TARGETS:
         # Optimised at build time; optimising again could change a weight and so miss its
         # prepacked blob (ORT would then repack a private copy silently).

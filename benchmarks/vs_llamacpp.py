@@ -1,0 +1,197 @@
+"""Decode and prefill against llama.cpp on the same model and CPU, side by side in one run.
+
+    python -m benchmarks.vs_llamacpp [--recipe smollm2-135m-chat] [--formats F32,Q8_0,Q6_K,Q4_1]
+                                     [--engines fp32,mxfp6_native,mxfp6_native_head8] [--new-tokens 128]
+                                     [--repeats 2] [--threads 2] [--no-pss]
+
+llama.cpp through llama-cpp-python (a benchmark-only extra, `pip install -e ".[peers]"`; it builds
+llama.cpp from source; on CPUs whose native build crashes, build it with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"). Its formats are made
+from the recipe's GGUF with llama_model_quantize (requantized where the source is already
+quantized, as a user of a Q4_1 download would) and cached. Ours are the recipe's TLM built as
+benchmarks.mx_decode's engines. Every system gets the same chat-templated prompt token ids, greedy,
+the same thread count; runs alternate between systems. Prints per system: decode tokens/s of every
+run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each F32), the weight bytes read
+per token with the floor they imply at the measured read bandwidth, whether the greedy text equals
+the system's own float32 text, and PSS after loading and generating (each system alone in a fresh
+process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+import runtime
+from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.decode import time_ours
+from benchmarks.memory import smaps_mib
+from benchmarks.mx_decode import ENGINES, LONG_ANSWER
+from benchmarks.variants import build_cached, variant
+from export.gguf_checkpoint import gguf_file
+from recipes import get_recipe
+from recipes.default_pair import cache_root
+from runtime.request import encode_prompt
+
+REFERENCE = "Q6_K"  # issue 27's yardstick: llama.cpp's 6.56-bit format
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        sys.exit('llama-cpp-python is not installed: pip install -e ".[peers]" (a benchmark-only extra)')
+    return llama_cpp
+
+
+def llama_file(source: Path, fmt: str) -> Path:
+    """`source` in llama.cpp format `fmt` (F32, Q8_0, ...), made once with llama_model_quantize."""
+    out = cache_root() / "bench" / "llamacpp" / f"{source.stem}-{fmt}.gguf"
+    if out.is_file():
+        return out
+    llama_cpp = _llama_cpp()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_ALL_F32" if fmt == "F32" else f"LLAMA_FTYPE_MOSTLY_{fmt}")
+    params.allow_requantize = True
+    tmp = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize to {fmt} failed")
+    tmp.rename(out)
+    return out
+
+
+class LlamaCpp:
+    """One llama.cpp model: prefill the prompt ids, then greedy decode, timed apart."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        llama_cpp = _llama_cpp()
+        self.llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.vocab = self.llm.n_vocab()
+        self.eos = self.llm.token_eos()
+
+    def _next(self) -> int:
+        return int(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,)).argmax())
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        """(prefill ms, decode tokens/s, new token ids)."""
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        out = [self._next()]
+        first = time.perf_counter()
+        while len(out) < n and out[-1] != self.eos:
+            self.llm.eval([out[-1]])
+            out.append(self._next())
+        end = time.perf_counter()
+        return (first - start) * 1e3, (len(out) - 1) / (end - first), out
+
+
+def ours(recipe, engine: str, new_tokens: int):
+    fmt, lowering, settings = ENGINES[engine]
+    r = variant(recipe, fmt, lowering, with_dlm=False)
+    r = replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=new_tokens)
+    return build_cached(r, cache_root() / "bench" / f"{recipe.name}-{engine}")
+
+
+def pss_of(system: str, args) -> float:
+    """PSS (MiB) of a fresh process that loads `system` alone and generates 16 tokens."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.vs_llamacpp", "--recipe", args.recipe,
+                          "--threads", str(args.threads), "--pss-of", system], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_pss(system: str, args) -> None:
+    kind, _, name = system.partition(":")
+    recipe = get_recipe(args.recipe)
+    art = runtime.load_artifact(ours(recipe, "fp32", args.new_tokens))  # the prompt's ids
+    prompt = encode_prompt(art, LONG_ANSWER)
+    del art
+    base = smaps_mib()["pss"]
+    if kind == "llama.cpp":
+        LlamaCpp(llama_file(gguf_file(recipe.tlm.model), name), args.threads).generate(prompt, 16)
+    else:
+        runtime.generate(runtime.load_artifact(ours(recipe, name, args.new_tokens)), prompt, max_new_tokens=16,
+                         speculative=False)
+    print(round(smaps_mib()["pss"] - base, 1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="smollm2-135m-chat")
+    ap.add_argument("--formats", default="F32,Q8_0,Q6_K,Q4_1", help="llama.cpp formats")
+    ap.add_argument("--engines", default="fp32,mxfp6_native,mxfp6_native_head8", help=f"ours, from {list(ENGINES)}")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-pss", action="store_true", help="skip the PSS of each system alone")
+    ap.add_argument("--pss-of", help=argparse.SUPPRESS)  # internal: one system's PSS, in a fresh process
+    args = ap.parse_args()
+    if args.pss_of:
+        return _measure_pss(args.pss_of, args)
+    formats, engines = args.formats.split(","), args.engines.split(",")
+    if "F32" not in formats or "fp32" not in engines:
+        ap.error("each system needs its float32 (F32 / fp32): outputs are compared with it")
+    recipe = get_recipe(args.recipe)
+    source = gguf_file(recipe.tlm.model)
+    arts = {f"ours:{e}": runtime.load_artifact(ours(recipe, e, args.new_tokens)) for e in engines}
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    llamas = {f"llama.cpp:{f}": LlamaCpp(llama_file(source, f), args.threads) for f in formats}
+    prompt = encode_prompt(arts["ours:fp32"], LONG_ANSWER)
+    n = args.new_tokens
+    speed: dict[str, list[float]] = {k: [] for k in [*llamas, *arts]}
+    prefill: dict[str, list[float]] = {k: [] for k in speed}
+    ids: dict[str, list[int]] = {}
+    for system in speed:  # warm-up
+        (llamas[system].generate(prompt, 8) if system in llamas else time_ours(arts[system], prompt, 8))
+    for _ in range(args.repeats):
+        for system in speed:
+            if system in llamas:
+                ms, tps, ids[system] = llamas[system].generate(prompt, n)
+            else:
+                tps, r = time_ours(arts[system], prompt, n)
+                ms, ids[system] = r.metrics.ttft_s * 1e3, r.token_ids
+            speed[system].append(round(tps, 1))
+            prefill[system].append(round(ms, 1))
+    gbs = read_bandwidth_gbs()
+    ref = float(np.median(speed[f"llama.cpp:{REFERENCE}"])) if f"llama.cpp:{REFERENCE}" in speed else None
+    report = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
+              "cpu": _cpu_name(), "recipe": recipe.name, "prompt_tokens": len(prompt), "new_tokens": n,
+              "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1), "systems": {}}
+    for system in speed:
+        kind, _, name = system.partition(":")
+        own_f32 = "llama.cpp:F32" if kind == "llama.cpp" else "ours:fp32"
+        mb = (llama_file(source, name).stat().st_size if kind == "llama.cpp"
+              else weight_bytes_per_call(arts[system].path, "tlm")) / 1e6
+        med = float(np.median(speed[system]))
+        report["systems"][system] = {
+            "decode_tokens_per_s": speed[system], "median": med, "prefill_ms": prefill[system],
+            f"vs_llama.cpp_{REFERENCE}": round(med / ref, 3) if ref else None,
+            "vs_own_f32": round(med / float(np.median(speed[own_f32])), 3),
+            "weights_read_per_token_MB": round(mb, 1), "floor_tokens_per_s": round(gbs * 1e3 / mb, 1),
+            "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
+            "text_equals_own_f32": ids[system] == ids[own_f32], "generated": len(ids[system]),
+            "pss_mib_alone": None if args.no_pss else pss_of(system, args),
+        }
+    print(json.dumps(report, indent=2))
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -103,27 +103,25 @@ def ours(recipe, engine: str, new_tokens: int):
     return build_cached(r, cache_root() / "bench" / f"{recipe.name}-{engine}")
 
 
-def pss_of(system: str, args) -> float:
-    """PSS (MiB) of a fresh process that loads `system` alone and generates 16 tokens."""
+def pss_of(system: str, prompt: list[int], args) -> float:
+    """PSS growth (MiB) of a fresh process that loads `system` alone and generates 16 tokens."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.vs_llamacpp", "--recipe", args.recipe,
-                          "--threads", str(args.threads), "--pss-of", system], capture_output=True, text=True,
-                         check=True)
+                          "--threads", str(args.threads), "--pss-of", system, "--prompt-ids",
+                          ",".join(map(str, prompt))], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _measure_pss(system: str, args) -> None:
+def _measure_pss(system: str, prompt: list[int], args) -> None:
     kind, _, name = system.partition(":")
     recipe = get_recipe(args.recipe)
-    art = runtime.load_artifact(ours(recipe, "fp32", args.new_tokens))  # the prompt's ids
-    prompt = encode_prompt(art, LONG_ANSWER)
-    del art
     base = smaps_mib()["pss"]
     if kind == "llama.cpp":
-        LlamaCpp(llama_file(gguf_file(recipe.tlm.model), name), args.threads).generate(prompt, 16)
+        loaded = LlamaCpp(llama_file(gguf_file(recipe.tlm.model), name), args.threads)
+        loaded.generate(prompt, 16)
     else:
-        runtime.generate(runtime.load_artifact(ours(recipe, name, args.new_tokens)), prompt, max_new_tokens=16,
-                         speculative=False)
-    print(round(smaps_mib()["pss"] - base, 1))
+        loaded = runtime.load_artifact(ours(recipe, name, args.new_tokens))
+        runtime.generate(loaded, prompt, max_new_tokens=16, speculative=False)
+    print(round(smaps_mib()["pss"] - base, 1))  # while `loaded` is alive
 
 
 def main() -> None:
@@ -136,9 +134,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-pss", action="store_true", help="skip the PSS of each system alone")
     ap.add_argument("--pss-of", help=argparse.SUPPRESS)  # internal: one system's PSS, in a fresh process
+    ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.pss_of:
-        return _measure_pss(args.pss_of, args)
+        return _measure_pss(args.pss_of, [int(i) for i in args.prompt_ids.split(",")], args)
     formats, engines = args.formats.split(","), args.engines.split(",")
     if "F32" not in formats or "fp32" not in engines:
         ap.error("each system needs its float32 (F32 / fp32): outputs are compared with it")
@@ -181,7 +180,7 @@ def main() -> None:
             "weights_read_per_token_MB": round(mb, 1), "floor_tokens_per_s": round(gbs * 1e3 / mb, 1),
             "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
             "text_equals_own_f32": ids[system] == ids[own_f32], "generated": len(ids[system]),
-            "pss_mib_alone": None if args.no_pss else pss_of(system, args),
+            "pss_mib_alone": None if args.no_pss else pss_of(system, prompt, args),
         }
     print(json.dumps(report, indent=2))
 

@@ -23,18 +23,22 @@ from benchmarks.variants import build_cached, variant
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import stdlib_files
 
-HEAD8 = {"mx_int8": ("lm_head",)}  # the LM head in MXINT8 (8.25 bits per weight)
+# Other TLM settings, whatever the recipe says: every weight in the MX format with a float32 LM head;
+# the LM head in MXFP6 too; the LM head in MXINT8 (8.25 bits per weight).
+PLAIN = {"mx_int8": (), "mx_lm_head": False}
+HEAD6 = {"mx_int8": (), "mx_lm_head": True}
+HEAD8 = {"mx_int8": ("lm_head",), "mx_lm_head": False}
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
-    "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", {}),
-    "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error", {}),
-    "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error", {}),
-    "fp6_e2m3 native min_error": ("fp6_e2m3", "native", "min_error", {}),
-    "fp6_e2m3 native8 min_error": ("fp6_e2m3", "native8", "min_error", {}),
-    "fp6_e2m3 native min_error +head": ("fp6_e2m3", "native", "min_error", {"mx_lm_head": True}),
+    "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
+    "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error", PLAIN),
+    "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error", PLAIN),
+    "fp6_e2m3 native min_error": ("fp6_e2m3", "native", "min_error", PLAIN),
+    "fp6_e2m3 native8 min_error": ("fp6_e2m3", "native8", "min_error", PLAIN),
+    "fp6_e2m3 native min_error +head": ("fp6_e2m3", "native", "min_error", HEAD6),
     "fp6_e2m3 native min_error +head8": ("fp6_e2m3", "native", "min_error", HEAD8),
     "fp6_e2m3 native8 min_error +head8": ("fp6_e2m3", "native8", "min_error", HEAD8),
-    "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", {}),
+    "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", PLAIN),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
     args = parser.parse_args(argv)
     configs = CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
-                                                                 {"mx_int8": tuple(f.split(","))})
+                                                                 PLAIN | {"mx_int8": tuple(f.split(","))})
                          for f in args.mx_int8}
     chosen = ["fp32", *(c for c in (args.configs or ",".join(CONFIGS)).split(",") if c != "fp32")]
     chosen += [c for c in configs if c not in CONFIGS]

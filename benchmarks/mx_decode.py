@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import HEAD8, score
+from benchmarks.accuracy import HEAD6, HEAD8, PLAIN, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, variant
@@ -39,11 +39,11 @@ from runtime.request import encode_prompt
 
 ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "fp32": (None, "exact", {}),
-    "mxfp6_fused": ("fp6_e2m3", "fused", {}),
-    "mxfp6_native": ("fp6_e2m3", "native", {}),
-    "mxfp6_native8": ("fp6_e2m3", "native8", {}),
-    "mxfp6_native_lm_head": ("fp6_e2m3", "native", {"mx_lm_head": True}),
-    "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", {"mx_lm_head": True}),
+    "mxfp6_fused": ("fp6_e2m3", "fused", PLAIN),
+    "mxfp6_native": ("fp6_e2m3", "native", PLAIN),
+    "mxfp6_native8": ("fp6_e2m3", "native8", PLAIN),
+    "mxfp6_native_lm_head": ("fp6_e2m3", "native", HEAD6),
+    "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", HEAD6),
     "mxfp6_native_head8": ("fp6_e2m3", "native", HEAD8),
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
 }

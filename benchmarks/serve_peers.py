@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--artifact", required=True, help="our artifact of the model (e.g. the default recipe's)")
     ap.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
     ap.add_argument("--clients", default="1,8")
-    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests per second")
+    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests per second ('' for none)")
+    ap.add_argument("--servers", default="mxspd,llama.cpp", help="which servers to run, in order")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads per call on both servers")
@@ -101,7 +102,7 @@ def main() -> None:
     ours = ["--threads", str(args.threads)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")
     print("|---|---|---|---|---|---|---|")
-    for server in ("mxspd", "llama.cpp"):
+    for server in args.servers.split(","):
         proc, url = (serve(args.artifact, ours) if server == "mxspd"
                      else serve_llama_cpp(args.gguf, args.threads))
         try:
@@ -109,7 +110,7 @@ def main() -> None:
             for clients in map(int, args.clients.split(",")):
                 results, wall = closed_loop(url, clients, args.requests, args.max_tokens)
                 print(row(server, f"{clients} clients", results, wall, alone), flush=True)
-            for rate in map(float, args.rates.split(",")):
+            for rate in (map(float, args.rates.split(",")) if args.rates else ()):
                 results, wall = poisson(url, rate, args.requests, args.max_tokens, args.seed)
                 print(row(server, f"Poisson {rate:g}/s", results, wall, alone), flush=True)
         finally:

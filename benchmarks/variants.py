@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from common.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
-from common.recipe import Recipe
+from common.recipe import Recipe, with_mx_format
 from common.targets import platform_signature
 from export.pipeline import build_artifact
 
@@ -21,7 +21,7 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
             scale: str | None = None) -> Recipe:
     """The recipe with its TLM in fp32 (mx_format None) or MX, and with or without its DLM; `scale`
     overrides how MX block exponents are chosen (default: the recipe's own choice)."""
-    tlm = replace(recipe.tlm, mx_format=mx_format, mx_lowering=lowering, mx_scale=scale or recipe.tlm.mx_scale)
+    tlm = replace(with_mx_format(recipe.tlm, mx_format), mx_lowering=lowering, mx_scale=scale or recipe.tlm.mx_scale)
     dlm = recipe.dlm if with_dlm else None
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
 

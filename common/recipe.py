@@ -7,7 +7,7 @@ the offending key) because a typo in a deployment config should fail at export, 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ class SamplingDefaults:
 class LookaheadSettings:
     """Lookahead decoding: N-gram size, Jacobi window width W, n-gram candidates verified per step G.
 
-    Defaults measured on this project's 2-core CPU (docs/benchmarks.md), where a wide step is not
+    Defaults measured on this project's 2-core CPU (docs/benchmarks-history.md), where a wide step is not
     free: T = 1 + (N-1)(W+G) rows per call.
     """
 
@@ -135,6 +135,13 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def with_mx_format(spec: ModelSpec, mx_format: str | None) -> ModelSpec:
+    """`spec` in another MX format; None (float weights) drops the settings that only MX weights have."""
+    if mx_format is None:
+        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False)
+    return replace(spec, mx_format=mx_format)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

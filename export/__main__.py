@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate
+from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate, with_mx_format
 from common.resources import DoesNotFitError
 from export.loader import ModelNotFoundError, is_available
 from recipes import DEFAULT_RECIPE, FALLBACK_RECIPE, get_recipe, recipe_names
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = get_recipe(args.recipe or _default_recipe(args.tlm))
         tlm = recipe.tlm
         if args.mx_format:
-            tlm = replace(tlm, mx_format=None if args.mx_format == "none" else args.mx_format)
+            tlm = with_mx_format(tlm, None if args.mx_format == "none" else args.mx_format)
         if args.mx_lowering:
             tlm = replace(tlm, mx_lowering=args.mx_lowering)
         slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots

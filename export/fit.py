@@ -5,7 +5,7 @@ checkpoint to the weights file on its own, so the export itself holds a few copi
 tensor. The compiler then lowers MX weights one at a time and optimises one graph at a time; its
 peak is ONNX Runtime's session for one graph (the kernel-form weights and their prepacked copy).
 Factors measured on a 325M-parameter checkpoint and on the llama2-7b-spd recipe's 7B-shaped
-models (docs/benchmarks.md).
+models (docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from export.loader import read_config
 
 BASELINE = GIB // 2  # the interpreter, torch, transformers and onnx before any model
 LARGEST_TENSOR_COPIES = 12  # float32 copies of the largest tensor in flight (trace, conversion, passes)
-# Bytes per parameter, measured (docs/benchmarks.md): ONNX Runtime optimising one graph (PSS above
+# Bytes per parameter, measured (docs/benchmarks-history.md): ONNX Runtime optimising one graph (PSS above
 # the baseline); weights.bin of the artifact (kernel form and its prepacked copy); the export (MXFP6
 # blocks and float32 embeddings, float16 or float32); the lowered MX weights the compiler reads.
 COMPILE_BYTES_PER_PARAMETER = {"mx": 1.7, "float16": 4.0, "float32": 4.0}

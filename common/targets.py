@@ -92,24 +92,25 @@ def session_options(threads: int | None = None, library: Path | None = None) -> 
     return so
 
 
-def spin_within_calls(so: ort.SessionOptions) -> ort.SessionOptions:
-    """A session's pool threads spin between the ops of a call and stop when it returns.
+def no_idle_spinning(so: ort.SessionOptions) -> ort.SessionOptions:
+    """A session's pool threads never spin.
 
     Generation alternates sessions (prefill, decode; DLM steps, TLM scoring): a pool whose threads
     spin after its call takes the cores from the next session's call (inside SpD that made a TLM
-    scoring call cost 2-3x a decode step), and a pool that never spins wakes its threads for each
-    of a call's ~240 parallel ops (two threads were then no faster than one). docs/benchmarks.md:
-    1.4x per decode call.
+    scoring call cost 2-3x a decode step). But a pool that never spins wakes its threads for each of
+    a call's ~240 parallel ops: two threads are then hardly faster than one. Spinning within a call
+    only (`session.force_spinning_stop`) made a SmolLM2 decode call 1.4x faster, and made tiny
+    models' plain decode steps measure ~4 ms instead of ~0.1, which misled the draft policy
+    (tests/test_draft_policy.py), so it is off until that is understood (docs/benchmarks.md).
     """
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    so.add_session_config_entry("session.force_spinning_stop", "1")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 
 def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
     so = session_options(threads)
-    spin_within_calls(so)
+    no_idle_spinning(so)
     if target in PREPACKED_TARGETS:
         # Optimised at build time; optimising again could change a weight and so miss its
         # prepacked blob (ORT would then repack a private copy silently).

@@ -33,6 +33,7 @@ from benchmarks.accuracy import HEAD6, HEAD8, PLAIN, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, variant
+from common.recipe import Recipe
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import cache_root
 from runtime.request import encode_prompt
@@ -51,6 +52,13 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
 
 # A short answer stops at EOS after a few tokens and times nothing; this one runs past 128 on SmolLM2.
 LONG_ANSWER = "Write a Python function that returns the square of a number, and explain it."
+
+
+def engine_recipe(recipe: Recipe, engine: str, new_tokens: int) -> Recipe:
+    """The recipe's TLM alone, built as `engine` (ENGINES), generating `new_tokens`."""
+    fmt, lowering, settings = ENGINES[engine]
+    r = variant(recipe, fmt, lowering, with_dlm=False)
+    return replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=new_tokens)
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -79,9 +87,7 @@ def main() -> None:
     recipe = get_recipe(args.recipe)
     arts = {}
     for name in names:
-        fmt, lowering, settings = ENGINES[name]
-        r = variant(recipe, fmt, lowering, with_dlm=False)
-        r = replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=args.new_tokens)
+        r = engine_recipe(recipe, name, args.new_tokens)
         builds = {name: r} | ({f"{name}:plain": replace(r, batch_invariant=False)} if args.plain else {}) | (
             {f"{name}:ctx{args.context}": replace(r, context_length=args.context)} if args.context else {})
         for key, built in builds.items():

@@ -26,7 +26,6 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,8 @@ import runtime
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.memory import smaps_mib
-from benchmarks.mx_decode import ENGINES, LONG_ANSWER
-from benchmarks.variants import build_cached, variant
+from benchmarks.mx_decode import ENGINES, LONG_ANSWER, engine_recipe
+from benchmarks.variants import build_cached
 from export.gguf_checkpoint import gguf_file
 from recipes import get_recipe
 from recipes.default_pair import cache_root
@@ -96,11 +95,9 @@ class LlamaCpp:
         return (first - start) * 1e3, (len(out) - 1) / (end - first), out
 
 
-def ours(recipe, engine: str, new_tokens: int):
-    fmt, lowering, settings = ENGINES[engine]
-    r = variant(recipe, fmt, lowering, with_dlm=False)
-    r = replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=new_tokens)
-    return build_cached(r, cache_root() / "bench" / f"{recipe.name}-{engine}")
+def ours(recipe, engine: str, new_tokens: int) -> Path:
+    """Our build of `engine`, in the cache folder benchmarks.mx_decode uses for it."""
+    return build_cached(engine_recipe(recipe, engine, new_tokens), cache_root() / "bench" / f"{recipe.name}-{engine}")
 
 
 def pss_of(system: str, prompt: list[int], args) -> float:
@@ -144,7 +141,6 @@ def main() -> None:
     recipe = get_recipe(args.recipe)
     source = gguf_file(recipe.tlm.model)
     arts = {f"ours:{e}": runtime.load_artifact(ours(recipe, e, args.new_tokens)) for e in engines}
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     llamas = {f"llama.cpp:{f}": LlamaCpp(llama_file(source, f), args.threads) for f in formats}
     prompt = encode_prompt(arts["ours:fp32"], LONG_ANSWER)
     n = args.new_tokens

@@ -130,10 +130,13 @@ class MXPass:
         self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
         self.elements = self.stored_bytes = self.int8_tensors = 0
+        self.matched: set[str] = set()  # the int8 fragments that selected a weight
 
     def format_of(self, name: str) -> str:
         """The MX element format weight `name` is stored in."""
-        return "int8" if any(f in name for f in self.int8) else self.fmt
+        hits = {f for f in self.int8 if f in name}
+        self.matched |= hits
+        return "int8" if hits else self.fmt
 
     def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
         if not (matmul and selected(t.name, self.lm_head)):
@@ -168,6 +171,11 @@ class MXPass:
                             len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:
+        """Once every weight has been stored; a mx_int8 fragment that selected none is refused (a typo
+        would otherwise leave the tensors it meant in the main format, silently)."""
+        if unused := [f for f in self.int8 if f not in self.matched]:
+            raise ValueError(f"mx_int8 fragment(s) {unused} match no quantized weight (decoder linears and the "
+                             f"LM head, e.g. {sorted(self.quantized)[:3]})")
         s = self.summary()
         return {"quant": asdict(s) | {"ratio_to_fp16": round(s.ratio_to_fp16, 4)}}
 

@@ -12,7 +12,7 @@ import torch
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from common.recipe import ModelSpec, RecipeError, recipe_from_dict
+from common.recipe import ModelSpec, RecipeError, recipe_from_dict, with_mx_format
 from compiler import mx_lowering
 from compiler.build import _check_lowered
 from compiler.mx_lowering import LoweringError, lower_model
@@ -91,6 +91,19 @@ def test_weights_named_in_mx_int8_are_standard_mxint8_blocks(name, int8):
     ref = fake_quantize(w, fmt, axis=0)
     np.testing.assert_array_equal(dequantized[:, [0, 1, 2, 4]], ref[:, [0, 1, 2, 4]])
     np.testing.assert_allclose(dequantized[:, 3], ref[:, 3], rtol=0, atol=2.0**-128)
+
+
+def test_an_mx_int8_fragment_that_selects_nothing_is_refused():
+    mx = MXPass("fp6_e2m3", int8=("mlp.up", "down_prj"))
+    apply_passes(matmul_model(weights(64, 24)), [mx])
+    with pytest.raises(ValueError, match=r"\['down_prj'\] match no quantized weight"):
+        mx.info()
+
+
+def test_a_float_build_of_a_recipe_with_mx_int8_drops_it():
+    spec = ModelSpec(model="m", mx_format="fp6_e2m3", mx_int8=("lm_head",), mx_lm_head=True)
+    assert with_mx_format(spec, None) == ModelSpec(model="m")
+    assert with_mx_format(spec, "fp6_e3m2").mx_int8 == ("lm_head",)
 
 
 def test_mx_int8_needs_mx_weights_and_real_fragments():

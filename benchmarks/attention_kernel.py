@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 import kernels
-from common.targets import no_idle_spinning, session_options
+from common.targets import session_options, spin_within_calls
 
 HQ, HKV, D, SLOTS = 9, 3, 64, 2048
 NAMES = ["query", "past_key", "past_value", "new_key", "new_value", "mask"]
@@ -36,7 +36,7 @@ def _session(library: str, threads: int) -> ort.InferenceSession:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
-    so = no_idle_spinning(session_options(threads, library=Path(library)))  # as the runtime's sessions
+    so = spin_within_calls(session_options(threads, library=Path(library)))  # as the runtime's sessions
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnxruntime as ort
@@ -92,25 +95,59 @@ def session_options(threads: int | None = None, library: Path | None = None) -> 
     return so
 
 
-def no_idle_spinning(so: ort.SessionOptions) -> ort.SessionOptions:
-    """A session's pool threads never spin.
+def spin_within_calls(so: ort.SessionOptions) -> ort.SessionOptions:
+    """A session's pool threads spin between the ops of a call and stop when it returns.
 
     Generation alternates sessions (prefill, decode; DLM steps, TLM scoring): a pool whose threads
     spin after its call takes the cores from the next session's call (inside SpD that made a TLM
-    scoring call cost 2-3x a decode step). But a pool that never spins wakes its threads for each of
-    a call's ~240 parallel ops: two threads are then hardly faster than one. Spinning within a call
-    only (`session.force_spinning_stop`) made a SmolLM2 decode call 1.4x faster, and made tiny
-    models' plain decode steps measure ~4 ms instead of ~0.1, which misled the draft policy
-    (tests/test_draft_policy.py), so it is off until that is understood (docs/benchmarks.md).
+    scoring call cost 2-3x a decode step), and a pool that never spins wakes its threads for each
+    of a call's ~240 parallel ops (two threads were then no faster than one). docs/benchmarks.md:
+    1.4x per decode call. A new pool's threads spin before their first sleep: see `parked_pools`.
     """
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
+
+
+def _thread_ids() -> set[str]:
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: nothing to wait for
+        return set()
+
+
+def _running(tids: set[str]) -> set[str]:
+    running = set()
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread has exited
+            continue
+        if stat[stat.rindex(")") + 2] == "R":
+            running.add(tid)
+    return running
+
+
+@contextmanager
+def parked_pools(timeout_s: float = 2.0) -> Iterator[None]:
+    """Sessions made inside: on leaving, wait until the threads their pools started have gone to sleep.
+
+    A new pool's threads spin (~10 ms each on this kind of CPU) before they first sleep, and an
+    artifact opens about a dozen sessions: for ~150 ms after a load they took the cores from the
+    first calls, which then measured ~40x slow and misled the draft policy (tests/test_draft_policy.py).
+    """
+    before = _thread_ids()
+    yield
+    new = _thread_ids() - before
+    deadline = time.monotonic() + timeout_s
+    while (new := _running(new)) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
     so = session_options(threads)
-    no_idle_spinning(so)
+    spin_within_calls(so)
     if target in PREPACKED_TARGETS:
         # Optimised at build time; optimising again could change a weight and so miss its
         # prepacked blob (ORT would then repack a private copy silently).

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.graph_io import ModelDims
-from common.targets import PROVIDERS, compiled_session_options
+from common.targets import PROVIDERS, compiled_session_options, parked_pools
 
 
 def _feeds(dims: ModelDims, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -35,9 +35,10 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
     the target's provider is not on the build machine (the runtime then measures for itself)."""
     if PROVIDERS[target][0] not in ort.get_available_providers():
         return {}
-    so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, no spinning
-    sessions = {n: (ort.InferenceSession(str(p), so, providers=PROVIDERS[target]), _feeds(dims, t, context))
-                for n, (p, t) in graphs.items()}
+    so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, spinning within calls
+    with parked_pools():
+        sessions = {n: (ort.InferenceSession(str(p), so, providers=PROVIDERS[target]), _feeds(dims, t, context))
+                    for n, (p, t) in graphs.items()}
     times: dict[str, list[float]] = {n: [] for n in graphs}
     for i in range(repeats + 1):
         for name, (session, feeds) in sessions.items():

@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from common.targets import PROVIDERS, compiled_session_options
+from common.targets import PROVIDERS, compiled_session_options, parked_pools
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -73,10 +73,11 @@ class ModelRunner:
         self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
-        self.graphs = {
-            name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
-            for name, g in entry.graphs.items()
-        }
+        with parked_pools():
+            self.graphs = {
+                name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
+                for name, g in entry.graphs.items()
+            }
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:

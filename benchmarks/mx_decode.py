@@ -47,6 +47,7 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", HEAD6),
     "mxfp6_native_head8": ("fp6_e2m3", "native", HEAD8),
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
+    "mxint8_native": ("fp6_e2m3", "native", {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}),
 }
 
 

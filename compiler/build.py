@@ -31,6 +31,7 @@ from common.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform
 from compiler.costs import graph_costs_ms
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
+from compiler.rotary import fuse_rotary
 from kernels import MX_MATMUL, library_path
 
 EXPORT_INFO = "export.json"
@@ -69,6 +70,8 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
         located = {e.key: e.value for e in t.external_data}.get("location")
         return read_tensor(t, here.parent if located == shared.name else export_dir)
 
+    if invariant:  # mxspd's kernels are there
+        fuse_rotary(model, read)
     lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
     if invariant:
         make_invariant(model, read=read, store=shared.external)

@@ -46,7 +46,7 @@ def _array(t: onnx.TensorProto, read: Read) -> np.ndarray:
     return numpy_helper.to_array(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t)))
 
 
-def _constant_value(name: str, model: onnx.ModelProto, read: Read) -> np.ndarray | None:
+def constant_value(name: str, model: onnx.ModelProto, read: Read) -> np.ndarray | None:
     """The value of tensor `name` if it is computed from initializers only (None otherwise): an
     initializer, or the constant subgraph before it (a float16 Cast, the exact MX unpacking)."""
     graph = model.graph
@@ -75,7 +75,7 @@ def _constant_value(name: str, model: onnx.ModelProto, read: Read) -> np.ndarray
     return evaluator.run(None, {t: _array(inits[t], read) for t in leaves})[0]
 
 
-def _drop_dead(graph: onnx.GraphProto) -> None:
+def drop_dead(graph: onnx.GraphProto) -> None:
     """Remove nodes whose outputs nothing reads, then initializers nothing reads."""
     outputs = {o.name for o in graph.output}
     while True:
@@ -107,7 +107,7 @@ def make_invariant(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, st
             continue
         w = node.input[1]
         if w not in packed:
-            value = _constant_value(w, model, read)
+            value = constant_value(w, model, read)
             if value is None or value.ndim != 2:
                 continue  # activations (or a batched constant): not a weight
             init = numpy_helper.from_array(pack_panels(value.astype(np.float32)), w + PANELS_SUFFIX)
@@ -117,7 +117,7 @@ def make_invariant(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, st
         node.input[1] = packed[w][0]
         node.attribute.append(helper.make_attribute("N", packed[w][1]))
         turned += 1
-    _drop_dead(graph)
+    drop_dead(graph)
     return turned
 
 

@@ -17,6 +17,7 @@ DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
 ROW_MATMUL = "RowMatMul"
 ATTENTION = "Attention"
+ROTARY = "Rotary"
 LIBRARY_STEM = "_mxspd_ort"
 NATIVE_LOWERINGS = ("native", "native8")  # the MX lowerings (common.recipe.MX_LOWERINGS) that run these ops
 

@@ -201,5 +201,6 @@ inline const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE"
 const OrtCustomOp* mx_matmul_op();
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();
+const OrtCustomOp* rotary_op();
 
 }  // namespace mxspd

@@ -58,6 +58,7 @@ def time_ours(art, prompt, n, speculative=False):
 
 
 def time_genai(model, prompt, n):
+    """(decode tokens/s, token ids, perf_counter after the prompt's prefill)."""
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(model)
@@ -69,7 +70,7 @@ def time_genai(model, prompt, n):
     while len(out) < n:
         gen.generate_next_token()
         out.append(gen.get_next_tokens()[0])
-    return (len(out) - 1) / (time.perf_counter() - t0), out
+    return (len(out) - 1) / (time.perf_counter() - t0), out, t0
 
 
 def time_hf(ckpt, prompt, n):
@@ -125,7 +126,7 @@ def main() -> None:
     }
     med = report["median_tokens_per_s"]
     if og_model is not None:
-        _, genai_ids = time_genai(og_model, prompt, n)
+        _, genai_ids, _ = time_genai(og_model, prompt, n)
         report["ratio_ours_over_genai_fp32"] = med["ours_ar"] / med["genai_fp32"]
         report["same_tokens_as_genai"] = [int(t) for t in genai_ids] == ours_ids
     if not args.skip_hf:

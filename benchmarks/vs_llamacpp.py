@@ -1,14 +1,16 @@
 """Decode and prefill against llama.cpp on the same model and CPU, side by side in one run.
 
     python -m benchmarks.vs_llamacpp [--recipe smollm2-135m-chat] [--formats F32,Q8_0,Q6_K,Q4_1]
-                                     [--engines fp32,mxfp6_native,mxfp6_native_head8] [--new-tokens 128]
-                                     [--repeats 2] [--threads 2] [--no-pss]
+                                     [--engines fp32,mxfp6_native,mxfp6_native_head8] [--genai int4,fp32]
+                                     [--new-tokens 128] [--repeats 2] [--threads 2] [--no-pss]
 
 llama.cpp through llama-cpp-python (a benchmark-only extra, `pip install -e ".[peers]"`; it builds
 llama.cpp from source; on CPUs whose native build crashes, build it with
 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"). Its formats are made
 from the recipe's GGUF with llama_model_quantize (requantized where the source is already
-quantized, as a user of a Q4_1 download would) and cached. Ours are the recipe's TLM built as
+quantized, as a user of a Q4_1 download would) and cached. `--genai` adds onnxruntime-genai's model
+builder's builds (the `bench` extra; int4 is MatMulNBits 4-bit, block 32), made from a float32
+Hugging Face copy of the same GGUF (its builder reads float GGUFs only) and cached. Ours are the recipe's TLM built as
 benchmarks.mx_decode's engines. Every system gets the same chat-templated prompt token ids, greedy,
 the same thread count; runs alternate between systems. Prints per system: decode tokens/s of every
 run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each F32), the weight bytes read
@@ -32,7 +34,7 @@ import numpy as np
 
 import runtime
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
-from benchmarks.decode import time_ours
+from benchmarks.decode import genai_model, time_genai, time_ours
 from benchmarks.memory import smaps_mib
 from benchmarks.mx_decode import ENGINES, LONG_ANSWER, engine_recipe
 from benchmarks.variants import build_cached
@@ -95,6 +97,42 @@ class LlamaCpp:
         return (first - start) * 1e3, (len(out) - 1) / (end - first), out
 
 
+class Genai:
+    """One onnxruntime-genai build (benchmarks.decode's builder call and timing), same interface."""
+
+    def __init__(self, source: Path, precision: str, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.path = genai_model(hf_copy(source), precision)
+        config = og.Config(str(self.path))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
+        start = time.perf_counter()
+        tps, out, first = time_genai(self.model, prompt, n)
+        return (first - start) * 1e3, tps, [int(t) for t in out]
+
+    def weight_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.glob("*.onnx*"))
+
+
+def hf_copy(source: Path) -> Path:
+    """A float32 Hugging Face folder of the GGUF `source` (transformers' GGUF loader), made once."""
+    out = cache_root() / "bench" / "hf" / source.stem
+    if not (out / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = out.with_name(out.name + ".partial")
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype="float32")
+        model.hf_quantizer = None  # dequantized on load: plain float32 weights, which transformers would refuse
+        model.config.__dict__.pop("quantization_config", None)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(tmp)
+        tmp.rename(out)
+    return out
+
+
 def ours(recipe, engine: str, new_tokens: int) -> Path:
     """Our build of `engine`, in the cache folder benchmarks.mx_decode uses for it."""
     return build_cached(engine_recipe(recipe, engine, new_tokens), cache_root() / "bench" / f"{recipe.name}-{engine}")
@@ -126,6 +164,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="smollm2-135m-chat")
     ap.add_argument("--formats", default="F32,Q8_0,Q6_K,Q4_1", help="llama.cpp formats")
     ap.add_argument("--engines", default="fp32,mxfp6_native,mxfp6_native_head8", help=f"ours, from {list(ENGINES)}")
+    ap.add_argument("--genai", default="", help="onnxruntime-genai builds to add (int4, fp32, ...)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -141,7 +180,9 @@ def main() -> None:
     recipe = get_recipe(args.recipe)
     source = gguf_file(recipe.tlm.model)
     arts = {f"ours:{e}": runtime.load_artifact(ours(recipe, e, args.new_tokens)) for e in engines}
-    llamas = {f"llama.cpp:{f}": LlamaCpp(llama_file(source, f), args.threads) for f in formats}
+    llamas: dict[str, LlamaCpp | Genai] = {f"llama.cpp:{f}": LlamaCpp(llama_file(source, f), args.threads)
+                                           for f in formats}
+    llamas |= {f"genai:{p}": Genai(source, p, args.threads) for p in filter(None, args.genai.split(","))}
     prompt = encode_prompt(arts["ours:fp32"], LONG_ANSWER)
     n = args.new_tokens
     speed: dict[str, list[float]] = {k: [] for k in [*llamas, *arts]}
@@ -165,8 +206,10 @@ def main() -> None:
               "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1), "systems": {}}
     for system in speed:
         kind, _, name = system.partition(":")
-        own_f32 = "llama.cpp:F32" if kind == "llama.cpp" else "ours:fp32"
+        own_f32 = {"llama.cpp": "llama.cpp:F32", "genai": "genai:fp32" if "genai:fp32" in speed else "ours:fp32"
+                   }.get(kind, "ours:fp32")
         mb = (llama_file(source, name).stat().st_size if kind == "llama.cpp"
+              else llamas[system].weight_bytes() if kind == "genai"
               else weight_bytes_per_call(arts[system].path, "tlm")) / 1e6
         med = float(np.median(speed[system]))
         report["systems"][system] = {
@@ -176,7 +219,7 @@ def main() -> None:
             "weights_read_per_token_MB": round(mb, 1), "floor_tokens_per_s": round(gbs * 1e3 / mb, 1),
             "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
             "text_equals_own_f32": ids[system] == ids[own_f32], "generated": len(ids[system]),
-            "pss_mib_alone": None if args.no_pss else pss_of(system, prompt, args),
+            "pss_mib_alone": None if args.no_pss or kind == "genai" else pss_of(system, prompt, args),
         }
     print(json.dumps(report, indent=2))
 

@@ -31,6 +31,7 @@ from common.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform
 from compiler.costs import graph_costs_ms
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
+from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
 from kernels import MX_MATMUL, library_path
 
@@ -73,6 +74,7 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     if invariant:  # mxspd's kernels are there
         fuse_rotary(model, read)
     lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
+    pack_matmuls(model, read, shared.external)
     if invariant:
         make_invariant(model, read=read, store=shared.external)
     else:
@@ -104,7 +106,8 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
     lost = []
     if lowering in KERNEL_OPS:
         domain, op, suffix = KERNEL_OPS[lowering]
-        kept = {n.input[1] for n in graph.graph.node if n.op_type == op and n.domain == domain}
+        kept = {w for n in graph.graph.node if n.op_type == op and n.domain == domain
+                for w in n.input[1].split(SEPARATOR)}  # packed weights name their members
         lost = [w for w in lowered if w + suffix not in kept]
     if lost or not lowered:
         raise RuntimeError(f"graph {name!r}: MX lowering {lowering!r} did not survive optimisation for "

@@ -1,5 +1,6 @@
-"""The rotary fusion (compiler/rotary.py, kernels/rotary.cc): the same bits as the nodes it replaces, on
-a graph of each exported form and on whole compiled models; patterns that are not rotate-half stay."""
+"""The compiler's fusions: rotary embeddings (compiler/rotary.py, kernels/rotary.cc) and packed MXMatMuls
+(compiler/pack_matmuls.py) give the same bits as the nodes they replace, on small graphs and on whole
+compiled models; patterns that are not theirs stay as exported."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from common.targets import session_options
 from compiler import build
 from compiler.rotary import fuse_rotary
 from export.pipeline import build_artifact
-from tests.conftest import tiny_recipe
+from tests.conftest import FORMATS, tiny_recipe
 
 needs_library = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 T, H, D = 5, 3, 8
@@ -84,19 +85,24 @@ def test_what_is_not_rotate_half_is_left_alone(kw):
 @needs_library
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
 def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, checkpoints, tmp_path, monkeypatch):
-    """Every graph of a Llama- or Qwen2-shaped model has one Rotary per query and key and no Neg left,
-    and its logits are the bits of the same model compiled without the fusion."""
-    recipe = replace(tiny_recipe(), dlm=None)
+    """Every graph of a Llama- or Qwen2-shaped MXFP6 model has one Rotary per query and key and no Neg
+    left, one MXMatMul for q/k/v and one for gate/up, and its logits are the bits of the same model
+    compiled without either fusion."""
+    recipe = replace(tiny_recipe(), dlm=None, tlm=FORMATS["mx-native"])
     fused = runtime.load_artifact(build_artifact(recipe, tmp_path / "fused", tlm=str(checkpoints[kind]),
                                                  progress=False))
     layers = fused.tlm.dims.n_layers
     for g in fused.manifest.models["tlm"].graphs.values():
         ops = [n.op_type for n in onnx.load(str(fused.path / g.file), load_external_data=False).graph.node]
         assert ops.count(kernels.ROTARY) == 2 * layers and "Neg" not in ops, g.file
+        assert ops.count(kernels.MX_MATMUL) == 4 * layers, g.file  # qkv, o, gate+up, down
     monkeypatch.setattr(build, "fuse_rotary", lambda model, read: 0)
+    monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store: 0)
     unfused = runtime.load_artifact(build_artifact(recipe, tmp_path / "unfused", tlm=str(checkpoints[kind]),
                                                    progress=False))
+    quant = [art.manifest.models["tlm"].quant for art in (fused, unfused)]
+    assert quant[0]["lowered_weights"] == quant[1]["lowered_weights"]  # every weight still runs in the kernel
     prompt = np.array([0, 5, 9, 13, 21, 3, 7])
-    for art in (fused, unfused):
-        art.tlm.start(prompt[:-1])
+    starts = [art.tlm.start(prompt[:-1]).copy() for art in (fused, unfused)]
+    np.testing.assert_array_equal(*starts)
     np.testing.assert_array_equal(fused.tlm.forward("decode", prompt[-1:]), unfused.tlm.forward("decode", prompt[-1:]))

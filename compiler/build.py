@@ -30,6 +30,7 @@ from common.staging import MARKER, check_output, make_staging
 from common.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.invariance import check_invariant, inline_attention, make_invariant
+from compiler.layouts import fold_layouts, tensor_shapes
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
@@ -72,7 +73,9 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
         return read_tensor(t, here.parent if located == shared.name else export_dir)
 
     if invariant:  # mxspd's kernels are there
-        fuse_rotary(model, read)
+        shapes = tensor_shapes(model)
+        fuse_rotary(model, read, shapes)
+        fold_layouts(model, shapes)
     lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
     pack_matmuls(model, read, shared.external)
     if invariant:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, shape_inference
+from onnx import helper
 
 from compiler.invariance import Read, constant_value, drop_dead
+from compiler.layouts import tensor_shapes
 from kernels import DOMAIN, ROTARY
 
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -30,12 +31,9 @@ def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> objec
 
 
 class _Graph:
-    def __init__(self, model: onnx.ModelProto, read: Read) -> None:
-        self.model, self.read = model, read
+    def __init__(self, model: onnx.ModelProto, read: Read, shapes: dict[str, list[int | None]]) -> None:
+        self.model, self.read, self.shapes = model, read, shapes
         self.producer = {o: n for n in model.graph.node for o in n.output}
-        inferred = shape_inference.infer_shapes(model)  # the graph alone: weights stay external
-        self.shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-                       for v in list(inferred.graph.value_info) + list(inferred.graph.input)}
 
     def const(self, name: str) -> list[int] | None:
         if not name:
@@ -95,10 +93,11 @@ class _Graph:
         return None
 
 
-def fuse_rotary(model: onnx.ModelProto, read: Read = lambda t: t.raw_data) -> int:
+def fuse_rotary(model: onnx.ModelProto, read: Read = lambda t: t.raw_data,
+                shapes: dict[str, list[int | None]] | None = None) -> int:
     """Replace every rotate-half rotary embedding (and its head transpose) by one Rotary node, in place;
-    returns how many were fused."""
-    graph = _Graph(model, read)
+    returns how many were fused. `shapes`: compiler.layouts.tensor_shapes (taken here if not given)."""
+    graph = _Graph(model, read, tensor_shapes(model) if shapes is None else shapes)
     fused = 0
     for node in model.graph.node:
         if _op(node, "Add") and (found := graph.rotary(node)) is not None:

@@ -3,8 +3,9 @@
 //
 // Inputs: query [B, Hq, T, D]; past_key, past_value [B, Hkv, C, D]; new_key, new_value [B, Hkv, T, D];
 // mask float32 [B, 1 or Hq, T, C + T], added to the scores (transformers' form: 0 where visible, the
-// float minimum where not; entries at or below -1e30 are skipped). Attribute `scale`. Output [B, Hq, T, D].
-// Query head h reads KV head h / (Hq / Hkv).
+// float minimum where not; entries at or below -1e30 are skipped). Attribute `scale`. Output [B, Hq, T, D],
+// or with attribute tokens_major = 1 [B, T, Hq * D] (the heads' transpose the next projection reads,
+// written in place; compiler/layouts.py). Query head h reads KV head h / (Hq / Hkv).
 //
 // Why: a token's key may be a cache slot in one call (autoregressive decoding) and a new row in another
 // (its speculation round), and ONNX Runtime's matmuls and softmax sum in an order that follows storage
@@ -49,6 +50,7 @@ struct Problem {
   float* y;
   int64_t b, hq, hkv, t, c, d, mask_heads;
   float scale;
+  bool tokens_major;  // y is [B, T, Hq, D], not [B, Hq, T, D]
 
   const float* key(int64_t batch, int64_t head, int64_t j) const {
     return j < c ? past_key + ((batch * hkv + head) * c + j) * d : new_key + ((batch * hkv + head) * t + j - c) * d;
@@ -356,7 +358,7 @@ void task(void* user, size_t index) {
   prob.resize(visible.size());
   for (int64_t h = h0; h < h0 + g; ++h) {
     const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
-    float* y = p.y + ((bb * p.hq + h) * p.t + tt) * p.d;
+    float* y = p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
     scores(v, q, score.data());
     float top = -std::numeric_limits<float>::infinity();
     bool bad = values_bad;
@@ -385,12 +387,15 @@ void task(void* user, size_t index) {
 
 struct Kernel {
   float scale;
+  bool tokens_major;
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   float scale = 0.0f;
+  int64_t tokens_major = 0;
   if (OrtStatus* s = g_api.attribute(info, "scale", &scale)) return s;
-  *out = new (std::nothrow) Kernel{scale};
+  g_api.optional_attribute(info, "tokens_major", 0, &tokens_major);
+  *out = new (std::nothrow) Kernel{scale, tokens_major != 0};
   return *out ? nullptr : g_api.error("Attention: out of memory");
 }
 
@@ -408,11 +413,13 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
       dims[5][0] != b || (dims[5][1] != 1 && dims[5][1] != hq) || dims[5][2] != t || dims[5][3] != c + t)
     return g_api.error("Attention: shapes must be query [B,Hq,T,D], past [B,Hkv,C,D], new [B,Hkv,T,D], "
                        "mask [B,1|Hq,T,C+T], with Hq a multiple of Hkv");
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
   float* y = nullptr;
-  if (OrtStatus* s = g_api.output_data(ctx, 0, qd, &y)) return s;
+  if (OrtStatus* s = g_api.output_data(ctx, 0, kernel.tokens_major ? std::vector<int64_t>{b, t, hq * d} : qd, &y))
+    return s;
   if (b * hq * t * d == 0) return nullptr;
-  Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1],
-            static_cast<Kernel*>(op_kernel)->scale};
+  Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1], kernel.scale,
+            kernel.tokens_major};
   return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
 }
 

@@ -246,21 +246,13 @@ struct Kernel {
   int64_t k, n, activation_bits, weight_bits;
 };
 
-// An optional integer attribute: `fallback` unless given.
-void optional_attribute(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) {
-  if (OrtStatus* s = g_api.attribute(info, name, out)) {
-    g_api.release(s);
-    *out = fallback;
-  }
-}
-
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   int64_t k = 0, n = 0;
   if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
   if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
   int64_t bits = 16, wbits = 6;
-  optional_attribute(info, "activation_bits", 16, &bits);
-  optional_attribute(info, "weight_bits", 6, &wbits);
+  g_api.optional_attribute(info, "activation_bits", 16, &bits);
+  g_api.optional_attribute(info, "weight_bits", 6, &wbits);
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
   if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");

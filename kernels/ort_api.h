@@ -67,6 +67,13 @@ struct Api {
     return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
                                                                                                             out);
   }
+  // An optional integer attribute: `fallback` unless given.
+  void optional_attribute(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) const {
+    if (OrtStatus* s = attribute(info, name, out)) {
+      release(s);
+      *out = fallback;
+    }
+  }
   OrtStatus* attribute(const OrtKernelInfo* info, const char* name, float* out) const {
     return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name,
                                                                                                           out);

@@ -7,6 +7,9 @@
 // two Muls, Add), 14 of a layer's 34, each a few microseconds of dispatch on vectors of 576 floats:
 // about a fifth of a SmolLM2 decode step. The compiler fuses them (compiler/invariance.py).
 //
+// With attribute heads = H > 0, X may come as the projection itself, [B, T, H * D] (the same memory):
+// the Reshape before it is fused too (compiler/layouts.py).
+//
 // Semantics: the same float operations as the nodes it replaces, each rounded once (two products and
 // a sum; the library is built with -ffp-contract=off, so no fused multiply-add), so the output has the
 // same bits as the unfused graph, and every row is computed alone (batch invariance).
@@ -18,12 +21,20 @@
 namespace mxspd {
 namespace {
 
-OrtStatus* compute(void*, OrtKernelContext* ctx) {
+struct Kernel {
+  int64_t heads;  // 0: X is [B, T, H, D]; else X is [B, T, heads * D]
+};
+
+OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   const float *x = nullptr, *cos = nullptr, *sin = nullptr;
   std::vector<int64_t> xd, cd, sd;
   if (OrtStatus* s = g_api.tensor(ctx, 0, &x, &xd)) return s;
   if (OrtStatus* s = g_api.tensor(ctx, 1, &cos, &cd)) return s;
   if (OrtStatus* s = g_api.tensor(ctx, 2, &sin, &sd)) return s;
+  if (const int64_t heads = static_cast<Kernel*>(op_kernel)->heads; heads > 0) {
+    if (xd.size() != 3 || xd[2] % heads != 0) return g_api.error("Rotary: X must be [B, T, heads * D]");
+    xd = {xd[0], xd[1], heads, xd[2] / heads};
+  }
   if (xd.size() != 4 || xd[3] % 2 != 0)
     return g_api.error("Rotary: X must be [B, T, H, D] with D even");
   const int64_t b = xd[0], t = xd[1], h = xd[2], d = xd[3], half = d / 2;
@@ -52,11 +63,13 @@ const OrtCustomOp* rotary_op() {
   static const OrtCustomOp op = make_op(
       [](const OrtCustomOp*) { return "Rotary"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
       [](const OrtCustomOp*) -> size_t { return 3; },
-      [](const OrtCustomOp*, const void*, const OrtKernelInfo*, void** out) -> OrtStatus* {
-        *out = nullptr;  // no state
-        return nullptr;
+      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) -> OrtStatus* {
+        int64_t heads = 0;
+        g_api.optional_attribute(info, "heads", 0, &heads);
+        *out = new (std::nothrow) Kernel{heads};
+        return *out ? nullptr : g_api.error("Rotary: out of memory");
       },
-      compute, [](void*) {});
+      compute, [](void* k) { delete static_cast<Kernel*>(k); });
   return &op;
 }
 

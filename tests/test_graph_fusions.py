@@ -1,6 +1,7 @@
-"""The compiler's fusions: rotary embeddings (compiler/rotary.py, kernels/rotary.cc) and packed MXMatMuls
-(compiler/pack_matmuls.py) give the same bits as the nodes they replace, on small graphs and on whole
-compiled models; patterns that are not theirs stay as exported."""
+"""The compiler's fusions: rotary embeddings (compiler/rotary.py, kernels/rotary.cc), head layouts folded
+into the kernels (compiler/layouts.py) and packed MXMatMuls (compiler/pack_matmuls.py) give the same
+bits as the nodes they replace, on small graphs and on whole compiled models; patterns that are not
+theirs stay as exported."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def test_what_is_not_rotate_half_is_left_alone(kw):
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2"])
 def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, checkpoints, tmp_path, monkeypatch):
     """Every graph of a Llama- or Qwen2-shaped MXFP6 model has one Rotary per query and key and no Neg
-    left, one MXMatMul for q/k/v and one for gate/up, and its logits are the bits of the same model
-    compiled without either fusion."""
+    left, one MXMatMul for q/k/v and one for gate/up, a Reshape and a Transpose only for the values
+    (a graph output), and its logits are the bits of the same model compiled without any fusion."""
     recipe = replace(tiny_recipe(), dlm=None, tlm=FORMATS["mx-native"])
     fused = runtime.load_artifact(build_artifact(recipe, tmp_path / "fused", tlm=str(checkpoints[kind]),
                                                  progress=False))
@@ -96,7 +97,9 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, checkpoints,
         ops = [n.op_type for n in onnx.load(str(fused.path / g.file), load_external_data=False).graph.node]
         assert ops.count(kernels.ROTARY) == 2 * layers and "Neg" not in ops, g.file
         assert ops.count(kernels.MX_MATMUL) == 4 * layers, g.file  # qkv, o, gate+up, down
-    monkeypatch.setattr(build, "fuse_rotary", lambda model, read: 0)
+        assert ops.count("Reshape") == ops.count("Transpose") == layers, g.file
+    monkeypatch.setattr(build, "fuse_rotary", lambda model, read, shapes: 0)
+    monkeypatch.setattr(build, "fold_layouts", lambda model, shapes: 0)
     monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store: 0)
     unfused = runtime.load_artifact(build_artifact(recipe, tmp_path / "unfused", tlm=str(checkpoints[kind]),
                                                    progress=False))

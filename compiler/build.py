@@ -77,11 +77,11 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
         fuse_rotary(model, read, shapes)
         fold_layouts(model, shapes)
     lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
-    pack_matmuls(model, read, shared.external)
     if invariant:
         make_invariant(model, read=read, store=shared.external)
     else:
         model = inline_attention(model)
+    pack_matmuls(model, read, shared.external)
     for t in model.graph.initializer:  # weights the passes left alone (embeddings, norms)
         if t.name in exported:
             data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))

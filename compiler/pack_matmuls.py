@@ -1,9 +1,11 @@
-"""Concatenate the MXMatMuls that read the same activations (q/k/v, gate/up) into one call and a Split.
+"""Concatenate the matmuls that read the same activations (q/k/v, gate/up) into one call and a Split.
 
-Exported, a layer's q, k and v projections are three MXMatMul calls on the same input: three
-roundings of the same activations and three parallel dispatches. The kernel stores weights column by
-column ([N, K/32, bytes per block], kernels/layout.py), so the weights concatenated along N are the
+Exported, a layer's q, k and v projections are three calls on the same input: three parallel
+dispatches (and, for MXMatMul, three roundings of the same activations). mxspd's kernels store
+weights by output column (MXMatMul: [N, K/32, bytes per block]; RowMatMul: panels of 64 columns,
+[ceil(N/64), K, 64]; kernels/layout.py), so the weights concatenated along their first axis are the
 packed weight, and each output column is computed exactly as before (the same bits) in one call.
+RowMatMul weights pack only where every member but the last fills whole panels.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from compiler.invariance import Read, Store, drop_dead
-from kernels import DOMAIN, MX_MATMUL
+from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL
 
 SEPARATOR = "|"  # a packed weight's name: its members' names joined (compiler.build checks each survived)
+PANEL = 64  # RowMatMul's columns per panel
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
@@ -26,28 +29,40 @@ def _array(t: onnx.TensorProto, read: Read) -> np.ndarray:
     return numpy_helper.to_array(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t)))
 
 
+def _group(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple | None:
+    """What a node must share with others to be packed with them (None: not a packable call)."""
+    if node.domain != DOMAIN or node.input[1] not in inits:
+        return None
+    a = _attributes(node)
+    if node.op_type == MX_MATMUL:
+        return node.op_type, node.input[0], a["K"], a.get("activation_bits"), a.get("weight_bits", 6)
+    if node.op_type == ROW_MATMUL:
+        return node.op_type, node.input[0], tuple(inits[node.input[1]].dims[1:])
+    return None
+
+
 def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, store: Store = lambda t: t) -> int:
-    """Pack every group of MXMatMuls with the same input and settings (in place); returns how many
-    calls it saved."""
+    """Pack every group of MXMatMuls (or RowMatMuls) with the same input and settings (in place);
+    returns how many calls it saved."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     groups: dict[tuple, list[onnx.NodeProto]] = {}
     for node in graph.node:
-        if node.op_type == MX_MATMUL and node.domain == DOMAIN:
-            a = _attributes(node)
-            key = (node.input[0], a["K"], a.get("activation_bits"), a.get("weight_bits", 6))
+        if (key := _group(node, inits)) is not None:
             groups.setdefault(key, []).append(node)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> its packed call and split; others -> []
     for members in (g for g in groups.values() if len(g) > 1):
-        name = SEPARATOR.join(m.input[1] for m in members)
-        weights = np.concatenate([_array(inits[m.input[1]], read) for m in members])
-        scales = np.concatenate([_array(inits[m.input[2]], read) for m in members])
         sizes = [int(_attributes(m)["N"]) for m in members]
-        graph.initializer.extend([store(numpy_helper.from_array(weights, name)),
-                                  store(numpy_helper.from_array(scales, name + ".scales")),
-                                  numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes")])
+        if members[0].op_type == ROW_MATMUL and any(n % PANEL for n in sizes[:-1]):
+            continue  # a member's last panel is padded: concatenated panels would not be the packed weight
+        name = SEPARATOR.join(m.input[1] for m in members)
+        weights = [f"{name}.{j}" if j > 1 else name for j in range(1, len(members[0].input))]
+        for j, packed_name in enumerate(weights, start=1):
+            value = np.concatenate([_array(inits[m.input[j]], read) for m in members])
+            graph.initializer.append(store(numpy_helper.from_array(value, packed_name)))
+        graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes"))
         attributes = _attributes(members[0]) | {"N": sum(sizes)}
-        packed = helper.make_node(MX_MATMUL, [members[0].input[0], name, name + ".scales"], [name + ".y"],
+        packed = helper.make_node(members[0].op_type, [members[0].input[0], *weights], [name + ".y"],
                                   name=name + ".packed", domain=DOMAIN, **attributes)
         split = helper.make_node("Split", [name + ".y", name + ".sizes"], [m.output[0] for m in members],
                                  name=name + ".split", axis=-1)

@@ -2,7 +2,8 @@
 
     python -m benchmarks.vs_llamacpp [--recipe smollm2-135m-chat] [--formats F32,Q8_0,Q6_K,Q4_1]
                                      [--engines fp32,mxfp6_native,mxfp6_native_head8] [--genai int4,fp32]
-                                     [--new-tokens 128] [--repeats 2] [--threads 2] [--no-pss]
+                                     [--speculation prompt_lookup,lookahead] [--new-tokens 128]
+                                     [--repeats 2] [--threads 2] [--no-pss]
 
 llama.cpp through llama-cpp-python (a benchmark-only extra, `pip install -e ".[peers]"`; it builds
 llama.cpp from source; on CPUs whose native build crashes, build it with
@@ -10,13 +11,15 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"). Its
 from the recipe's GGUF with llama_model_quantize (requantized where the source is already
 quantized, as a user of a Q4_1 download would) and cached. `--genai` adds onnxruntime-genai's model
 builder's builds (the `bench` extra; int4 is MatMulNBits 4-bit, block 32), made from a float32
-Hugging Face copy of the same GGUF (its builder reads float GGUFs only) and cached. Ours are the recipe's TLM built as
-benchmarks.mx_decode's engines. Every system gets the same chat-templated prompt token ids, greedy,
-the same thread count; runs alternate between systems. Prints per system: decode tokens/s of every
-run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each F32), the weight bytes read
-per token with the floor they imply at the measured read bandwidth, whether the greedy text equals
-the system's own float32 text, and PSS after loading and generating (each system alone in a fresh
-process).
+Hugging Face copy of the same GGUF (its builder reads float GGUFs only) and cached. `--speculation`
+adds the last engine with each speculation method (`ours:ENGINE+METHOD`, the draft policy deciding
+each round); its text is compared with the same engine's autoregressive text (lossless). Ours are
+the recipe's TLM built as benchmarks.mx_decode's engines. Every system gets the same chat-templated
+prompt token ids, greedy, the same thread count; runs alternate between systems. Prints per system:
+decode tokens/s of every run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each
+F32), the weight bytes read per token with the floor they imply at the measured read bandwidth,
+whether the greedy text equals the system's own float32 text, and PSS after loading and generating
+(each system alone in a fresh process).
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ def main() -> None:
     ap.add_argument("--formats", default="F32,Q8_0,Q6_K,Q4_1", help="llama.cpp formats")
     ap.add_argument("--engines", default="fp32,mxfp6_native,mxfp6_native_head8", help=f"ours, from {list(ENGINES)}")
     ap.add_argument("--genai", default="", help="onnxruntime-genai builds to add (int4, fp32, ...)")
+    ap.add_argument("--speculation", default="", help="the last engine with these methods too (prompt_lookup, ...)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -185,17 +189,20 @@ def main() -> None:
     llamas |= {f"genai:{p}": Genai(source, p, args.threads) for p in filter(None, args.genai.split(","))}
     prompt = encode_prompt(arts["ours:fp32"], LONG_ANSWER)
     n = args.new_tokens
+    speculating = {f"ours:{engines[-1]}+{m}": m for m in filter(None, args.speculation.split(","))}
+    arts |= {system: arts[f"ours:{engines[-1]}"] for system in speculating}
     speed: dict[str, list[float]] = {k: [] for k in [*llamas, *arts]}
     prefill: dict[str, list[float]] = {k: [] for k in speed}
     ids: dict[str, list[int]] = {}
     for system in speed:  # warm-up
-        (llamas[system].generate(prompt, 8) if system in llamas else time_ours(arts[system], prompt, 8))
+        (llamas[system].generate(prompt, 8) if system in llamas
+         else time_ours(arts[system], prompt, 8, speculating.get(system, False)))
     for _ in range(args.repeats):
         for system in speed:
             if system in llamas:
                 ms, tps, ids[system] = llamas[system].generate(prompt, n)
             else:
-                tps, r = time_ours(arts[system], prompt, n)
+                tps, r = time_ours(arts[system], prompt, n, speculating.get(system, False))
                 ms, ids[system] = r.metrics.ttft_s * 1e3, r.token_ids
             speed[system].append(round(tps, 1))
             prefill[system].append(round(ms, 1))
@@ -208,6 +215,8 @@ def main() -> None:
         kind, _, name = system.partition(":")
         own_f32 = {"llama.cpp": "llama.cpp:F32", "genai": "genai:fp32" if "genai:fp32" in speed else "ours:fp32"
                    }.get(kind, "ours:fp32")
+        if system in speculating:  # lossless: the same engine's autoregressive text
+            own_f32 = system.partition("+")[0]
         mb = (llama_file(source, name).stat().st_size if kind == "llama.cpp"
               else llamas[system].weight_bytes() if kind == "genai"
               else weight_bytes_per_call(arts[system].path, "tlm")) / 1e6
@@ -219,7 +228,8 @@ def main() -> None:
             "weights_read_per_token_MB": round(mb, 1), "floor_tokens_per_s": round(gbs * 1e3 / mb, 1),
             "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
             "text_equals_own_f32": ids[system] == ids[own_f32], "generated": len(ids[system]),
-            "pss_mib_alone": None if args.no_pss or kind == "genai" else pss_of(system, prompt, args),
+            "pss_mib_alone": None if args.no_pss or kind == "genai" or system in speculating
+            else pss_of(system, prompt, args),
         }
     print(json.dumps(report, indent=2))
 

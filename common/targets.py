@@ -139,8 +139,9 @@ def parked_pools(timeout_s: float = 2.0) -> Iterator[None]:
     before = _thread_ids()
     yield
     new = _thread_ids() - before
-    deadline = time.monotonic() + timeout_s
-    while (new := _running(new)) and time.monotonic() < deadline:
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 3 and time.monotonic() < deadline:  # three quiet looks in a row: a thread seen
+        quiet = 0 if _running(new) else quiet + 1     # between two spins is looked at again
         time.sleep(0.002)
 
 

@@ -51,21 +51,24 @@ def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, stor
         if (key := _group(node, inits)) is not None:
             groups.setdefault(key, []).append(node)
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> its packed call and split; others -> []
-    for members in (g for g in groups.values() if len(g) > 1):
+    for i, members in enumerate(g for g in groups.values() if len(g) > 1):
         sizes = [int(_attributes(m)["N"]) for m in members]
         if members[0].op_type == ROW_MATMUL and any(n % PANEL for n in sizes[:-1]):
             continue  # a member's last panel is padded: concatenated panels would not be the packed weight
         name = SEPARATOR.join(m.input[1] for m in members)
         weights = [f"{name}.{j}" if j > 1 else name for j in range(1, len(members[0].input))]
-        for j, packed_name in enumerate(weights, start=1):
-            value = np.concatenate([_array(inits[m.input[j]], read) for m in members])
-            graph.initializer.append(store(numpy_helper.from_array(value, packed_name)))
-        graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes"))
+        if name not in inits:  # the same weights on another input (shared layers): packed once
+            for j, packed_name in enumerate(weights, start=1):
+                value = np.concatenate([_array(inits[m.input[j]], read) for m in members])
+                inits[packed_name] = store(numpy_helper.from_array(value, packed_name))
+                graph.initializer.append(inits[packed_name])
+            inits[name + ".sizes"] = numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes")
+            graph.initializer.append(inits[name + ".sizes"])
         attributes = _attributes(members[0]) | {"N": sum(sizes)}
-        packed = helper.make_node(members[0].op_type, [members[0].input[0], *weights], [name + ".y"],
-                                  name=name + ".packed", domain=DOMAIN, **attributes)
-        split = helper.make_node("Split", [name + ".y", name + ".sizes"], [m.output[0] for m in members],
-                                 name=name + ".split", axis=-1)
+        packed = helper.make_node(members[0].op_type, [members[0].input[0], *weights], [f"{name}.y{i}"],
+                                  name=f"{name}.packed{i}", domain=DOMAIN, **attributes)
+        split = helper.make_node("Split", [f"{name}.y{i}", name + ".sizes"], [m.output[0] for m in members],
+                                 name=f"{name}.split{i}", axis=-1)
         replaced[id(members[0])] = [packed, split]
         replaced.update({id(m): [] for m in members[1:]})
     if not replaced:

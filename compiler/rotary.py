@@ -71,6 +71,12 @@ class _Graph:
             spans.append((starts[0], min(ends[0], d)))
         return x if spans == [(0, d // 2), (d // 2, d)] else None
 
+    def tables(self, x: str, cos: str, sin: str) -> bool:
+        """cos and sin in the form the kernel reads: [B or 1, 1, T, D] for x [B, H, T, D]."""
+        shape, c = self.shapes.get(x) or [], self.shapes.get(cos)
+        return (len(shape) == 4 and None not in shape and c == self.shapes.get(sin) and c is not None
+                and len(c) == 4 and c[0] in (1, shape[0]) and c[1:] == [1, *shape[2:]])
+
     def rotary(self, add: onnx.NodeProto) -> tuple[str, str, str] | None:
         """(the heads before their transpose, cos, sin) if `add` ends a rotate-half rotary embedding."""
         muls = [self.producer.get(i) for i in add.input]
@@ -87,6 +93,8 @@ class _Graph:
                 if x not in plain.input or sin in (x, cat):
                     continue
                 cos = plain.input[1] if plain.input[0] == x else plain.input[0]
+                if not self.tables(x, cos, sin):
+                    continue
                 transpose = self.producer.get(x)
                 if _op(transpose, "Transpose") and list(_attribute(transpose, "perm", [])) == HEADS_FIRST:
                     return transpose.input[0], cos, sin

@@ -74,6 +74,27 @@ def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(nll), np.concatenate(top1)
 
 
+def genai_score(model, tokens: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """`score` for an onnxruntime-genai model: the same windows and chunks, its own KV cache."""
+    import onnxruntime_genai as og
+
+    nll, top1 = [], []
+    for start in range(0, len(tokens) - 1, window):
+        seq = tokens[start : start + window + 1]
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=window + 1, do_sample=False)
+        gen = og.Generator(model, params)
+        for c in range(0, len(seq) - 1, chunk):
+            inputs = seq[c : min(c + chunk, len(seq) - 1)]
+            gen.append_tokens(inputs.tolist())
+            logits = gen.get_output("logits")[0, -len(inputs):].astype(np.float64)
+            logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            targets = seq[c + 1 : c + 1 + len(inputs)]
+            nll.append(logz - logits[np.arange(len(inputs)), targets])
+            top1.append(logits.argmax(-1))
+    return np.concatenate(nll), np.concatenate(top1)
+
+
 def answers(art, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy answers to the recipe's prompts (its chat template applies), no speculation."""
     return [runtime.generate(art, p, max_new_tokens=max_new_tokens, do_sample=False, speculative=False).text
@@ -91,7 +112,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         if "unavailable" in r:
             lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | |")
             continue
-        ratio = "2.000 (fp32)" if r["size_vs_fp16"] is None else f"{r['size_vs_fp16']:.3f}"
+        ratio = {None: "2.000 (fp32)", "-": "-"}.get(r["size_vs_fp16"]) or f"{r['size_vs_fp16']:.3f}"
         lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['scale'] or '-'} | {r['perplexity']:.4f} | "
                      f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {r['same_answers']} | {ratio} |")
     verdict = {True: 'PASS', False: 'FAIL', None: 'not run (its config was not chosen)'}[meta['gate_pass']]
@@ -111,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--configs", help=f"comma-separated subset of {list(CONFIGS)} (fp32 always runs first)")
+    parser.add_argument("--genai", default="", help="also onnxruntime-genai builds of the recipe's GGUF (int4, ...; "
+                        "the bench extra): perplexity and top-1 agreement only")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
                         help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
@@ -151,6 +174,18 @@ def main(argv: list[str] | None = None) -> int:
                      "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
         agree = rows[-1]["top1_agreement"]
         print(f"{name:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
+    for precision in filter(None, args.genai.split(",")):
+        from benchmarks.vs_llamacpp import Genai
+        from export.gguf_checkpoint import gguf_file
+
+        model = Genai(gguf_file(recipe.tlm.model), precision, threads=2).model
+        nll, top1 = genai_score(model, tokens, recipe.context_length, recipe.prefill_chunk)
+        ppl = float(np.exp(nll.mean()))
+        rows.append({"name": f"onnxruntime-genai {precision}", "lowering": "genai", "scale": None, "format": precision,
+                     "perplexity": ppl, "same_answers": "-", "ppl_ratio": ppl / base_ppl,
+                     "top1_agreement": float((top1 == base_top1).mean()), "size_vs_fp16": "-"})
+        print(f"genai {precision:20s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  "
+              f"top-1 agreement {rows[-1]['top1_agreement']:.4f}")
     rows += [{"name": n.split()[0], "unavailable": why} for n, why in NOT_AVAILABLE.items()]
     gated = recipe.tlm.mx_format or "fp6_e2m3"
     gate_row = next((r for r in rows if r.get("format") == gated and r["lowering"] == "exact"

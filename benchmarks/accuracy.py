@@ -28,6 +28,7 @@ from recipes.default_pair import stdlib_files
 PLAIN = {"mx_int8": (), "mx_lm_head": False}
 HEAD6 = {"mx_int8": (), "mx_lm_head": True}
 HEAD8 = {"mx_int8": ("lm_head",), "mx_lm_head": False}
+ALL_INT8 = {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}  # every decoder linear and the head in MXINT8
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
@@ -42,6 +43,20 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
+
+
+def with_int8(fragment_lists: list[str]) -> dict[str, tuple]:
+    """CONFIGS plus, per comma-separated fragment list, MXFP6 native with those weights in MXINT8."""
+    return CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
+                                                              PLAIN | {"mx_int8": tuple(f.split(","))})
+                      for f in fragment_lists}
+
+
+def config_artifact(recipe, name: str, config: tuple, out_dir: Path) -> Path:
+    """The recipe's TLM built as `config` (CONFIGS), cached in out_dir/<name>."""
+    fmt, lowering, scale, settings = config
+    r = variant(recipe, fmt, lowering, with_dlm=False, scale=scale)
+    return build_cached(replace(r, tlm=replace(r.tlm, **settings)), out_dir / name.replace(" ", "-"))
 
 
 def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
@@ -138,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
     args = parser.parse_args(argv)
-    configs = CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
-                                                                 PLAIN | {"mx_int8": tuple(f.split(","))})
-                         for f in args.mx_int8}
+    configs = with_int8(args.mx_int8)
     chosen = ["fp32", *(c for c in (args.configs or ",".join(CONFIGS)).split(",") if c != "fp32")]
     chosen += [c for c in configs if c not in CONFIGS]
     if unknown := sorted(set(chosen) - set(configs)):
@@ -151,10 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(recipe.prompts)
     differing: dict[str, list] = {}
     for name in chosen:
-        fmt, lowering, scale, settings = configs[name]
-        r = variant(recipe, fmt, lowering, with_dlm=False, scale=scale)
-        art_dir = build_cached(replace(r, tlm=replace(r.tlm, **settings)), out_dir / name.replace(" ", "-"))
-        art = runtime.load_artifact(art_dir)
+        fmt = configs[name][0]
+        art = runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir))
         if tokens is None:
             tokens = held_out_tokens(art, args.text, args.tokens)
         nll, top1 = score(art, tokens)

@@ -42,7 +42,7 @@ def inline_attention(model: onnx.ModelProto) -> onnx.ModelProto:
     return inliner.inline_local_functions(model)
 
 
-def _array(t: onnx.TensorProto, read: Read) -> np.ndarray:
+def initializer_array(t: onnx.TensorProto, read: Read) -> np.ndarray:
     return numpy_helper.to_array(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t)))
 
 
@@ -66,13 +66,13 @@ def constant_value(name: str, model: onnx.ModelProto, read: Read) -> np.ndarray 
         else:
             return None  # a graph input: not constant
     if name in inits:
-        return _array(inits[name], read)
+        return initializer_array(inits[name], read)
     sub = helper.make_graph(
         [n for n in graph.node if id(n) in needed], "constant",  # in the graph's (topological) order
         [helper.make_tensor_value_info(t, inits[t].data_type, list(inits[t].dims)) for t in sorted(leaves)],
         [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)])
     evaluator = ReferenceEvaluator(helper.make_model(sub, opset_imports=list(model.opset_import)))
-    return evaluator.run(None, {t: _array(inits[t], read) for t in leaves})[0]
+    return evaluator.run(None, {t: initializer_array(inits[t], read) for t in leaves})[0]
 
 
 def drop_dead(graph: onnx.GraphProto) -> None:

@@ -16,7 +16,7 @@ from onnx import helper, shape_inference
 from compiler.invariance import drop_dead
 from kernels import ATTENTION, DOMAIN, ROTARY
 
-HEADS_FIRST = [0, 2, 1, 3]
+HEADS_FIRST = [0, 2, 1, 3]  # Transpose perm: [B, T, H, D] <-> [B, H, T, D]
 
 
 def tensor_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
@@ -28,7 +28,7 @@ def tensor_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
             for v in values}
 
 
-def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
+def attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
@@ -51,18 +51,18 @@ def fold_layouts(model: onnx.ModelProto, shapes: dict[str, list[int | None]]) ->
     for node in graph.node:
         if node.domain != DOMAIN:
             continue
-        if node.op_type == ATTENTION and _attribute(node, "tokens_major", 0) == 0:
+        if node.op_type == ATTENTION and attribute(node, "tokens_major", 0) == 0:
             transpose = only_reader(node.output[0], "Transpose")
             reshape = transpose and only_reader(transpose.output[0], "Reshape")
             heads = shapes.get(node.output[0]) or []
             flat = shapes.get(reshape.output[0]) if reshape else None
-            if (transpose and list(_attribute(transpose, "perm", [])) == HEADS_FIRST and len(heads) == 4
+            if (transpose and list(attribute(transpose, "perm", [])) == HEADS_FIRST and len(heads) == 4
                     and None not in heads and flat == [heads[0], heads[2], heads[1] * heads[3]]):
                 node.output[0] = reshape.output[0]
                 node.attribute.append(helper.make_attribute("tokens_major", 1))
                 moved += [transpose, reshape]
                 folded += 1
-        elif node.op_type == ROTARY and _attribute(node, "heads", 0) == 0:
+        elif node.op_type == ROTARY and attribute(node, "heads", 0) == 0:
             reshape = producer.get(node.input[0])
             if reshape is None or reshape.op_type != "Reshape":
                 continue

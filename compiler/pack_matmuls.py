@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from compiler.invariance import Read, Store, drop_dead
+from compiler.invariance import Read, Store, drop_dead, initializer_array
 from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL
 
 SEPARATOR = "|"  # a packed weight's name: its members' names joined (compiler.build checks each survived)
@@ -23,10 +23,6 @@ PANEL = 64  # RowMatMul's columns per panel
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _array(t: onnx.TensorProto, read: Read) -> np.ndarray:
-    return numpy_helper.to_array(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t)))
 
 
 def _group(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple | None:
@@ -59,7 +55,7 @@ def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, stor
         weights = [f"{name}.{j}" if j > 1 else name for j in range(1, len(members[0].input))]
         if name not in inits:  # the same weights on another input (shared layers): packed once
             for j, packed_name in enumerate(weights, start=1):
-                value = np.concatenate([_array(inits[m.input[j]], read) for m in members])
+                value = np.concatenate([initializer_array(inits[m.input[j]], read) for m in members])
                 inits[packed_name] = store(numpy_helper.from_array(value, packed_name))
                 graph.initializer.append(inits[packed_name])
             inits[name + ".sizes"] = numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes")

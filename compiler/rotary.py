@@ -15,19 +15,14 @@ import onnx
 from onnx import helper
 
 from compiler.invariance import Read, constant_value, drop_dead
-from compiler.layouts import tensor_shapes
+from compiler.layouts import HEADS_FIRST, attribute, tensor_shapes
 from kernels import DOMAIN, ROTARY
 
 ONNX_DOMAINS = ("", "ai.onnx")
-HEADS_FIRST = [0, 2, 1, 3]  # [B, T, H, D] -> [B, H, T, D]
 
 
 def _op(node: onnx.NodeProto | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ONNX_DOMAINS
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: object = None) -> object:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 class _Graph:
@@ -48,9 +43,9 @@ class _Graph:
             return None
         if a is b and _op(a, "Split") and list(a.output) == [first, second]:
             x = a.input[0]
-            sizes = self.const(a.input[1]) if len(a.input) > 1 else _attribute(a, "split")
+            sizes = self.const(a.input[1]) if len(a.input) > 1 else attribute(a, "split")
             d = (self.shapes.get(x) or [None])[-1]
-            last = _attribute(a, "axis", 0) in (-1, len(self.shapes.get(x) or []) - 1)
+            last = attribute(a, "axis", 0) in (-1, len(self.shapes.get(x) or []) - 1)
             even = d is not None and d % 2 == 0 and (sizes is None or list(sizes) == [d // 2, d // 2])
             return x if last and even else None
         if not (_op(a, "Slice") and _op(b, "Slice") and a.input[0] == b.input[0]):
@@ -96,7 +91,7 @@ class _Graph:
                 if not self.tables(x, cos, sin):
                     continue
                 transpose = self.producer.get(x)
-                if _op(transpose, "Transpose") and list(_attribute(transpose, "perm", [])) == HEADS_FIRST:
+                if _op(transpose, "Transpose") and list(attribute(transpose, "perm", [])) == HEADS_FIRST:
                     return transpose.input[0], cos, sin
         return None
 

@@ -109,6 +109,26 @@ def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints):
     assert (top1 == np.concatenate(ref_top1)).all()
 
 
+def test_divergence_log_probs_match_transformers(artifact_dir, checkpoints):
+    """benchmarks.divergence's per-window log-probabilities are transformers' log-softmax (KL is then
+    exact arithmetic on them)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import runtime
+    from benchmarks.divergence import log_probs
+
+    art = runtime.load_artifact(artifact_dir)
+    seq = np.random.default_rng(1).integers(4, 260, 40)
+    ours = log_probs(art, seq)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"], attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.from_numpy(seq[None, :-1])).logits[0].double(), -1).numpy()
+    assert ours.shape == ref.shape == (39, art.tlm.dims.vocab_size)
+    np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
 def test_weight_bytes_per_call_counts_every_matrix_weight_once(checkpoints, tmp_path):
     """A float32 decode call reads 4 bytes per parameter of every Linear layer (the embedding only gathers a row)."""
     import torch

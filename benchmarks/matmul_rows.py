@@ -1,13 +1,14 @@
 """What one more row costs ONNX Runtime's CPU kernels: the floor under a scoring call's price.
 
-    python -m benchmarks.matmul_rows [--layers 24] [--repeats 10]
+    python -m benchmarks.matmul_rows [--layers 24] [--repeats 10] [--kinds "mxfp6 native,mxint8 native"]
 
 A K+1-token scoring call reads the same weights as a decode step, so at the bandwidth floor it
 would cost one step. This times the kernels alone, on a stack of 1024 x 8192 weights as large as the
 220M checkpoint's (24 layers: 805 MB in float32), for M = 1..9 rows: float32 MatMul (MLAS SGEMM,
 weights prepacked by the session) and the fused MXFP6 kernel (MatMulNBits bits=8, block 32,
-accuracy_level 4, as compiler/mx_lowering.py emits it). Whatever a whole graph adds on top (attention,
-per-row elementwise ops) comes on top of these ratios.
+accuracy_level 4, as compiler/mx_lowering.py emits it) and mxspd's own MXMatMul (kernels/mx_matmul.cc:
+MXFP6 with int16 or int8 activations, MXINT8). Whatever a whole graph adds on top (attention, per-row
+elementwise ops) comes on top of these ratios.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from common.targets import session_options
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
+from kernels import DOMAIN, MX_MATMUL, require_library
+from kernels.layout import BLOCK_BYTES
 
 K, N = 1024, 8192
 ROWS = (1, 2, 3, 5, 9)
+KINDS = ("float32", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
+# The native kinds: (weight bits, activation bits, bytes per block of 32 weights).
+NATIVE = {"mxfp6 native": (6, 16, BLOCK_BYTES), "mxfp6 native8": (6, 8, BLOCK_BYTES), "mxint8 native": (8, 16, BLOCK)}
 
 
 def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, int]:
@@ -37,6 +43,13 @@ def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelP
         if kind == "float32":
             inits.append(numpy_helper.from_array((rng.standard_normal((K, N)) * 0.02).astype(np.float32), f"w{i}"))
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
+        elif kind in NATIVE:
+            wbits, abits, block_bytes = NATIVE[kind]
+            codes = rng.integers(0, 256, size=(N, K // BLOCK, block_bytes), dtype=np.uint8)
+            exps = rng.integers(115, 125, size=(N, K // BLOCK), dtype=np.uint8)
+            inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
+            nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=N,
+                                          activation_bits=abits, weight_bits=wbits))
         else:
             codes = rng.integers(0, 256, size=(N, K // BLOCK, BLOCK), dtype=np.uint8)
             scales = (rng.random((N, K // BLOCK)) * 0.01 + 0.001).astype(np.float32)
@@ -46,9 +59,12 @@ def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelP
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(layers)]
     graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
                               outputs, inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
-    per_weight = K * N * 4 if kind == "float32" else K * N + (K // BLOCK) * N * 4
+    if kind in NATIVE:
+        per_weight = (K // BLOCK) * N * (NATIVE[kind][2] + 1)
+    else:
+        per_weight = K * N * 4 if kind == "float32" else K * N + (K // BLOCK) * N * 4
     return model, layers * per_weight
 
 
@@ -56,12 +72,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    if set(kinds) & set(NATIVE):
+        require_library()
     rng = np.random.default_rng(0)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         sessions = {}
-        for kind in ("float32", "mxfp6 fused"):
+        for kind in kinds:
             model, nbytes = stack(kind, args.layers, rng)
             path = Path(tmp) / f"{kind.split()[0]}.onnx"
             onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")

@@ -13,6 +13,8 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+// GCC 12's AVX-512 headers warn of their own _mm512_undefined_* values (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #define MXSPD_X86 1
 #endif
@@ -200,8 +202,20 @@ inline bool has_avx2() {
   __builtin_cpu_init();  // this may run before libgcc's own constructor has filled the CPU model in
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
-// Every op's vector path, unless MXSPD_KERNELS_PORTABLE is set (tests run both paths).
+// Every op's vector path, unless MXSPD_KERNELS_PORTABLE is set (tests run every path).
 inline const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");
+
+// The target of the AVX-512 paths (512-bit registers with byte/word ops and VNNI dot products): Intel
+// Xeon since Cascade Lake, AMD EPYC since Zen 4.
+#define MXSPD_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma"
+inline bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+// Ops with an AVX-512 path take it unless MXSPD_KERNELS_AVX2 is set (tests compare it with the AVX2 path).
+inline const bool kHasAvx512 = kHasAvx2 && has_avx512() && !std::getenv("MXSPD_KERNELS_AVX2");
 #endif
 
 // The ops, one per source file.

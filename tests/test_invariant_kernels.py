@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kernels
 from export.split_attention import attention_function
 from kernels.layout import pack_panels
-from tests.test_native_kernel import session, vector_and_portable
+from tests.test_native_kernel import every_path, session
 
 pytestmark = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 MIN = float(np.finfo(np.float32).min)
@@ -135,5 +135,5 @@ def test_portable_paths_give_the_vector_paths_bits(tmp_path):
             "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(12)];"
             "y = session(row_matmul_model(z['w'], None)).run(None, {'a': z['a']})[0];"
             "sys.stdout.buffer.write(run_attention(i[:6]).tobytes() + run_attention(i[6:]).tobytes() + y.tobytes())")
-    vector, portable = vector_and_portable(code, str(tmp_path / "in.npz"))
-    assert len(vector) > 0 and vector == portable
+    vector, avx2, portable = every_path(code, str(tmp_path / "in.npz"))
+    assert len(vector) > 0 and vector == avx2 == portable

@@ -4,6 +4,7 @@ and the fallback without it."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -145,26 +146,30 @@ def test_non_finite_activations_stay_in_their_row():
 
 
 @needs_library
-@WBITS
-@pytest.mark.parametrize("bits", [16, 8])
-def test_portable_path_gives_the_vector_paths_bits(tmp_path, bits, wbits):
-    """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loop on any CPU."""
-    codes, exps = random_mx(100, 33, seed=5, wbits=wbits)
-    np.save(tmp_path / "a.npy", np.random.default_rng(6).standard_normal((5, 100)).astype(np.float32))
-    code = ("import sys, numpy as np, onnx; from tests.test_native_kernel import session;"
-            "m = onnx.load_from_string(sys.stdin.buffer.read()); a = np.load(sys.argv[1]);"
-            "sys.stdout.buffer.write(session(m).run(None, {'a': a})[0].tobytes())")
-    vector, portable = vector_and_portable(code, str(tmp_path / "a.npy"),
-                                           stdin=mx_matmul_model(codes, exps, bits, [5, 100]).SerializeToString())
-    np.testing.assert_array_equal(np.frombuffer(vector, np.float32), np.frombuffer(portable, np.float32))
+def test_every_path_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
+    weight formats, both activation widths, 1 to 11 rows (AVX-512 takes up to 8 per pass, AVX2 4)."""
+    rng = np.random.default_rng(6)
+    for i, (wbits, bits, rows) in enumerate(itertools.product((6, 8), (16, 8), (1, 5, 11))):
+        codes, exps = random_mx(100, 33, seed=i, wbits=wbits)  # 33 columns: pairs and an odd one
+        onnx.save(mx_matmul_model(codes, exps, bits, [rows, 100]), tmp_path / f"{i}.onnx")
+        np.save(tmp_path / f"{i}.npy", rng.standard_normal((rows, 100)).astype(np.float32))
+    code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
+            "d = pathlib.Path(sys.argv[1]);"
+            "[sys.stdout.buffer.write(ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)).run("
+            "None, {'a': np.load(d / f'{i}.npy')})[0].tobytes()) for i in range(12)]")
+    outs = every_path(code, str(tmp_path))
+    assert len(outs[0]) == 2 * 2 * (1 + 5 + 11) * 33 * 4 and outs[0] == outs[1] == outs[2]
 
 
-def vector_and_portable(code: str, *args: str, stdin: bytes = b"") -> list[bytes]:
-    """What `python -c code args` prints with the library's vector paths, then with MXSPD_KERNELS_PORTABLE=1."""
+PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar
+
+
+def every_path(code: str, *args: str, stdin: bytes = b"") -> list[bytes]:
+    """What `python -c code args` prints with each of the library's code paths (PATHS), in that order."""
     outs = []
-    for portable in (False, True):
-        env = {k: v for k, v in os.environ.items() if k != "MXSPD_KERNELS_PORTABLE"}
-        env |= {"MXSPD_KERNELS_PORTABLE": "1"} if portable else {}
+    for path in PATHS:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MXSPD_KERNELS_")} | path
         outs.append(subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, input=stdin,
                                    capture_output=True).stdout)
     return outs

@@ -37,8 +37,9 @@ def _run(art, spec, decodings, prompts):
     """Submit every prompt at once (the plain one without speculation); return each one's tokens and the stats."""
     scheduler = Scheduler(art)
     try:
-        reqs = [scheduler.submit(p, d, spec=spec) for p, d in zip(prompts, decodings, strict=True)]
-        reqs.append(scheduler.submit(PLAIN, decoding(max_new_tokens=N, do_sample=False)))
+        with scheduler._wake:  # all arrive before the first step (its call counts are asserted)
+            reqs = [scheduler.submit(p, d, spec=spec) for p, d in zip(prompts, decodings, strict=True)]
+            reqs.append(scheduler.submit(PLAIN, decoding(max_new_tokens=N, do_sample=False)))
         out = [[e.token for e in r.events() if e.token is not None] for r in reqs]
     finally:
         scheduler.close()

@@ -14,7 +14,7 @@
 // j, the top two bits of c[j], c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. S uint8 [N, K/32]:
 // E8M0 exponents. K is padded to whole blocks with code 0.
 //
-// Code paths: AVX-512 with VNNI (two columns per register, up to 8 rows per pass over the weights),
+// Code paths: AVX-512 with VNNI (two columns per register, up to 12 rows per pass over the weights),
 // AVX2 (one column, 4 rows), portable; all three give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead, W [N, K/32, 32] of int8 codes k, and S holds e - 6 (the value
@@ -22,10 +22,12 @@
 // (the LM head, sensitive layers). The arithmetic after decoding is the same.
 //
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <new>
 #include <type_traits>
+#include <utility>
 
 #include "ort_api.h"
 
@@ -210,14 +212,14 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<WBits, Bits>&
   }
 }
 
-// ---- AVX-512: two columns per register, up to 8 rows per pass over their weights -------------------
+// ---- AVX-512: two columns per register, up to 12 rows per pass over their weights ------------------
 //
 // Lanes 0-7 hold column c's 8 accumulators and lanes 8-15 column c + 1's, each lane summing the same
 // 4 products per block (VNNI's dot products add them without saturating, as the AVX2 path's
 // exact integer sums do) and taking the same float operations in the same order: the same bits as
 // the AVX2 and portable paths, in about half the instructions per row.
 
-constexpr int kRowGroup512 = 8;
+constexpr int kRowGroup512 = 12;  // accumulators in registers (32 of them)
 constexpr int64_t kAhead = 16;  // columns
 
 struct PairCodes {
@@ -297,16 +299,24 @@ __attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBit
   }
 }
 
-// Columns [col, end) in pairs, rows in groups of up to 8; returns the first column left (an odd one).
+template <int WBits, int Bits, size_t... Rows>
+constexpr auto by_rows(std::index_sequence<Rows...>) {
+  return std::array<void (*)(const Problem<WBits, Bits>&, int64_t, int64_t), sizeof...(Rows)>{
+      column_pair_avx512<WBits, Bits, static_cast<int>(Rows + 1)>...};
+}
+
+// Columns [col, end) in pairs; returns the first column left (an odd one). Rows go in as few passes
+// over the weights as 12 at a time allows, split evenly (9 rows: one pass of 9, not 8 and 1).
 template <int WBits, int Bits>
 int64_t pairs_avx512(const Problem<WBits, Bits>& p, int64_t col, int64_t end) {
-  constexpr void (*kByRows[kRowGroup512])(const Problem<WBits, Bits>&, int64_t, int64_t) = {
-      column_pair_avx512<WBits, Bits, 1>, column_pair_avx512<WBits, Bits, 2>, column_pair_avx512<WBits, Bits, 3>,
-      column_pair_avx512<WBits, Bits, 4>, column_pair_avx512<WBits, Bits, 5>, column_pair_avx512<WBits, Bits, 6>,
-      column_pair_avx512<WBits, Bits, 7>, column_pair_avx512<WBits, Bits, 8>};
+  static constexpr auto kByRows = by_rows<WBits, Bits>(std::make_index_sequence<kRowGroup512>());
+  const int64_t passes = (p.m + kRowGroup512 - 1) / kRowGroup512;
   for (; col + 2 <= end; col += 2)
-    for (int64_t row = 0; row < p.m; row += kRowGroup512)
-      kByRows[std::min<int64_t>(kRowGroup512, p.m - row) - 1](p, col, row);
+    for (int64_t i = 0, row = 0; i < passes; ++i) {
+      const int64_t rows = (p.m - row) / (passes - i);  // the rows left, shared by the passes left
+      kByRows[rows - 1](p, col, row);
+      row += rows;
+    }
   return col;
 }
 

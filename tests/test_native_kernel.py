@@ -148,18 +148,18 @@ def test_non_finite_activations_stay_in_their_row():
 @needs_library
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
-    weight formats, both activation widths, 1 to 11 rows (AVX-512 takes up to 8 per pass, AVX2 4)."""
+    weight formats, both activation widths, 1 to 25 rows (AVX-512 takes up to 12 per pass, AVX2 4)."""
     rng = np.random.default_rng(6)
-    for i, (wbits, bits, rows) in enumerate(itertools.product((6, 8), (16, 8), (1, 5, 11))):
+    for i, (wbits, bits, rows) in enumerate(itertools.product((6, 8), (16, 8), (1, 5, 9, 13, 25))):
         codes, exps = random_mx(100, 33, seed=i, wbits=wbits)  # 33 columns: pairs and an odd one
         onnx.save(mx_matmul_model(codes, exps, bits, [rows, 100]), tmp_path / f"{i}.onnx")
         np.save(tmp_path / f"{i}.npy", rng.standard_normal((rows, 100)).astype(np.float32))
     code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
             "d = pathlib.Path(sys.argv[1]);"
             "[sys.stdout.buffer.write(ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)).run("
-            "None, {'a': np.load(d / f'{i}.npy')})[0].tobytes()) for i in range(12)]")
+            "None, {'a': np.load(d / f'{i}.npy')})[0].tobytes()) for i in range(20)]")
     outs = every_path(code, str(tmp_path))
-    assert len(outs[0]) == 2 * 2 * (1 + 5 + 11) * 33 * 4 and outs[0] == outs[1] == outs[2]
+    assert len(outs[0]) == 2 * 2 * (1 + 5 + 9 + 13 + 25) * 33 * 4 and outs[0] == outs[1] == outs[2]
 
 
 PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar

@@ -2,10 +2,12 @@
 ONNX Runtime's per-op-type kernel time (its profiler adds a little per node, so the split is the
 useful part, not the sum).
 
-    python -m benchmarks.step_profile ARTIFACT [--model tlm] [--graph decode] [--calls 30]
+    python -m benchmarks.step_profile ARTIFACT [--model tlm] [--graph decode] [--calls 30] [--visible N]
 
 Inputs are zeros with a full attention mask (the cost of a decode step does not depend on the
-values). Sessions are made as the runtime makes them (common.targets.compiled_session_options).
+values), or with only the first N cache slots visible (attention skips hidden keys, so its cost
+follows the visible ones: a short chat turn sees ~100). Sessions are made as the runtime makes
+them (common.targets.compiled_session_options).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from common import graph_io
 from common.manifest import read_manifest
 from common.targets import compiled_session_options
 
@@ -34,12 +37,16 @@ def _session(path: Path, target: str, threads: int, profile: str | None = None) 
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _feeds(s: ort.InferenceSession) -> dict[str, np.ndarray]:
+def _feeds(s: ort.InferenceSession, visible: int | None = None) -> dict[str, np.ndarray]:
     out = {}
     for i in s.get_inputs():
         shape = [d if isinstance(d, int) else 1 for d in i.shape]
         dtype = _DTYPES[i.type]
         out[i.name] = np.ones(shape, dtype) if dtype == np.bool_ else np.zeros(shape, dtype)
+    if visible is not None:
+        mask = out[graph_io.ATTENTION_MASK]
+        tokens = out[graph_io.INPUT_IDS].shape[-1]
+        mask[..., visible: mask.shape[-1] - tokens] = False  # cache slots past the first `visible`
     return out
 
 
@@ -58,6 +65,7 @@ def main() -> None:
     ap.add_argument("--model", default="tlm")
     ap.add_argument("--graph", default="decode")
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--visible", type=int, help="cache slots each row sees (default: all)")
     args = ap.parse_args()
     manifest = read_manifest(args.artifact, verify=False)
     path = args.artifact / manifest.models[args.model].graphs[args.graph].file
@@ -65,10 +73,10 @@ def main() -> None:
     for threads in (1, 2, 1, 2):  # interleaved, twice
         s = _session(path, manifest.target, threads)
         report["ms_per_call"].setdefault(f"{threads} threads", []).append(
-            round(_ms_per_call(s, _feeds(s), args.calls), 2))
+            round(_ms_per_call(s, _feeds(s, args.visible), args.calls), 2))
     with tempfile.TemporaryDirectory() as tmp:
         s = _session(path, manifest.target, 1, profile=str(Path(tmp) / "p"))
-        feeds = _feeds(s)
+        feeds = _feeds(s, args.visible)
         for _ in range(args.calls):
             s.run(None, feeds)
         events = json.loads(Path(s.end_profiling()).read_text())

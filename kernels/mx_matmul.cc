@@ -79,16 +79,16 @@ template <int Bits>
 struct Activations {
   using Int = std::conditional_t<Bits == 8, int8_t, int16_t>;
   static constexpr float kMax = Bits == 8 ? 127.0f : 32767.0f;
-  std::vector<Int> q;        // [M, KB * 32]
-  std::vector<float> scale;  // [M, KB]
+  std::vector<Int> q;        // [KB, M, 32]: a block's rows side by side, at fixed offsets from one pointer
+  std::vector<float> scale;  // [KB, M]
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb) {
     q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
     scale.assign(m * kb, 0.0f);
     for (int64_t r = 0; r < m; ++r) {
       const float* x = a + r * k;
-      Int* out = &q[r * kb * kBlock];
       for (int64_t b = 0; b < kb; ++b) {
+        Int* out = &q[(b * m + r) * kBlock] - b * kBlock;  // out[i] for i in [k0, k1)
         const int64_t k0 = b * kBlock, k1 = std::min<int64_t>(k, k0 + kBlock);
         float amax = 0.0f;
         bool finite = true;
@@ -97,11 +97,11 @@ struct Activations {
           finite = finite && std::isfinite(x[i]);
         }
         if (!finite) {  // Inf or NaN in, NaN out (as a float matmul would give, at least for NaN)
-          scale[r * kb + b] = NAN;
+          scale[b * m + r] = NAN;
         } else if (amax > 0.0f) {
           const float inv = kMax / amax;
           for (int64_t i = k0; i < k1; ++i) out[i] = static_cast<Int>(std::lrintf(x[i] * inv));
-          scale[r * kb + b] = amax / kMax;
+          scale[b * m + r] = amax / kMax;
         }
       }
     }
@@ -110,12 +110,15 @@ struct Activations {
 
 template <int WBits, int Bits>
 struct Problem {
-  const typename Activations<Bits>::Int* xq;  // [M, KB * 32]
-  const float* xs;                            // [M, KB]
+  const typename Activations<Bits>::Int* xq;  // [KB, M, 32]
+  const float* xs;                            // [KB, M]
   const uint8_t* w;                           // [N, KB, kBlockBytes<WBits>]
   const uint8_t* s;                           // [N, KB]
   float* y;                                   // [M, N]
   int64_t m, n, kb;
+
+  const typename Activations<Bits>::Int* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
+  const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
 };
 
 constexpr int64_t kTileColumns = 8;
@@ -138,8 +141,8 @@ void column_scalar(const Problem<WBits, Bits>& p, int64_t col, int64_t row0, int
     decode_scalar<WBits>(p.w + (col * p.kb + b) * kBlockBytes<WBits>, w);
     const float wscale = scales<WBits>()[p.s[col * p.kb + b]];
     for (int r = 0; r < rows; ++r) {
-      const auto* x = p.xq + (row0 + r) * p.kb * kBlock + b * kBlock;
-      const float scale = wscale * p.xs[(row0 + r) * p.kb + b];
+      const auto* x = p.x(row0 + r, b);
+      const float scale = wscale * *p.x_scale(row0 + r, b);
       for (int l = 0; l < 8; ++l) {
         int32_t sum = 0;
         for (int i = 0; i < 4; ++i) sum += w[lane_product<Bits>(l, i)] * x[lane_product<Bits>(l, i)];
@@ -180,27 +183,28 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<WBits, Bits>&
   for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* blk = p.w + col * p.kb * kBlockBytes<WBits>;
   const uint8_t* sc = p.s + col * p.kb;
-  const int64_t stride = p.kb * kBlock;
   for (int64_t b = 0; b < p.kb; ++b, blk += kBlockBytes<WBits>) {
     const __m256i v = decode_avx2<WBits>(blk);
     const __m256 wscale = _mm256_set1_ps(scales<WBits>()[sc[b]]);
+    const auto* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
+    const float* xs = p.x_scale(row0, b);
     if constexpr (Bits == 8) {
       const __m256i mag = _mm256_abs_epi8(v);  // maddubs: unsigned weights, each weight's sign moved onto x
       for (int r = 0; r < Rows; ++r) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (row0 + r) * stride + b * kBlock));
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + r * kBlock));
         const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(x, v)), ones16);
-        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(xs[r]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
       }
     } else {
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
       for (int r = 0; r < Rows; ++r) {
-        const int16_t* x = p.xq + (row0 + r) * stride + b * kBlock;
+        const int16_t* x = xb + r * kBlock;
         const __m256i s = _mm256_add_epi32(
             _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
             _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
-        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(xs[r]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
       }
     }
@@ -256,7 +260,7 @@ __attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBit
                                                                int64_t row0) {
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t bytes = p.kb * kBlockBytes<WBits>, stride = p.kb * kBlock;
+  const int64_t bytes = p.kb * kBlockBytes<WBits>;
   const uint8_t* blk = p.w + col * bytes;
   const uint8_t* sc = p.s + col * p.kb;
   const float* table = scales<WBits>();
@@ -268,12 +272,13 @@ __attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBit
     _mm_prefetch(reinterpret_cast<const char*>(blk + (kAhead + 1) * bytes), _MM_HINT_T0);
     const PairCodes w = decode_pair<WBits>(blk, blk + bytes);
     const __m512 wscale = _mm512_insertf32x8(_mm512_set1_ps(table[sc[b]]), _mm256_set1_ps(table[sc[p.kb + b]]), 1);
+    const auto* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
+    const float* xs = p.x_scale(row0, b);
     if constexpr (Bits == 8) {
       for (int r = 0; r < Rows; ++r) {
-        const __m512i x = _mm512_broadcast_i64x4(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + (row0 + r) * stride + b * kBlock)));
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + r * kBlock)));
         const __m512i s = _mm512_dpbusd_epi32(zero, w.mag, _mm512_mask_sub_epi8(x, w.neg, zero, x));
-        const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(xs[r]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       }
     } else {  // int16 weights: codes 0-15 of both columns, then 16-31
@@ -282,11 +287,11 @@ __attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBit
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(halves));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(halves, 1));
       for (int r = 0; r < Rows; ++r) {
-        const int16_t* x = p.xq + (row0 + r) * stride + b * kBlock;
+        const int16_t* x = xb + r * kBlock;
         const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
         const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
         const __m512i s = _mm512_dpwssd_epi32(_mm512_madd_epi16(w0, x0), w1, x1);
-        const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(p.xs[(row0 + r) * p.kb + b]));
+        const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(xs[r]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       }
     }

@@ -3,7 +3,7 @@
     python -m benchmarks.vs_llamacpp [--recipe smollm2-135m-chat] [--formats F32,Q8_0,Q6_K,Q4_1]
                                      [--engines fp32,mxfp6_native,mxfp6_native_head8] [--genai int4,fp32]
                                      [--speculation prompt_lookup,lookahead] [--new-tokens 128]
-                                     [--repeats 2] [--threads 2] [--no-pss]
+                                     [--prompts long|recipe] [--repeats 2] [--threads 2] [--no-pss]
 
 llama.cpp through llama-cpp-python (a benchmark-only extra, `pip install -e ".[peers]"`; it builds
 llama.cpp from source; on CPUs whose native build crashes, build it with
@@ -15,7 +15,9 @@ Hugging Face copy of the same GGUF (its builder reads float GGUFs only) and cach
 adds the last engine with each speculation method (`ours:ENGINE+METHOD`, the draft policy deciding
 each round); its text is compared with the same engine's autoregressive text (lossless). Ours are
 the recipe's TLM built as benchmarks.mx_decode's engines. Every system gets the same chat-templated
-prompt token ids, greedy, the same thread count; runs alternate between systems. Prints per system:
+prompt token ids (`--prompts long`: one request for code with an explanation; `recipe`: the
+recipe's prompts one after another, each system's decode speed their tokens over their time),
+greedy, the same thread count; runs alternate between systems. Prints per system:
 decode tokens/s of every run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each
 F32), the weight bytes read per token with the floor they imply at the measured read bandwidth,
 whether the greedy text equals the system's own float32 text, and PSS after loading and generating
@@ -170,6 +172,8 @@ def main() -> None:
     ap.add_argument("--genai", default="", help="onnxruntime-genai builds to add (int4, fp32, ...)")
     ap.add_argument("--speculation", default="", help="the last engine with these methods too (prompt_lookup, ...)")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", choices=("long", "recipe"), default="long",
+                    help="one long-answer prompt, or every prompt of the recipe")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-pss", action="store_true", help="skip the PSS of each system alone")
@@ -187,29 +191,39 @@ def main() -> None:
     llamas: dict[str, LlamaCpp | Genai] = {f"llama.cpp:{f}": LlamaCpp(llama_file(source, f), args.threads)
                                            for f in formats}
     llamas |= {f"genai:{p}": Genai(source, p, args.threads) for p in filter(None, args.genai.split(","))}
-    prompt = encode_prompt(arts["ours:fp32"], LONG_ANSWER)
+    texts = list(recipe.prompts) if args.prompts == "recipe" else [LONG_ANSWER]
+    prompts = [encode_prompt(arts["ours:fp32"], text) for text in texts]
+    prompt = prompts[0]
     n = args.new_tokens
     speculating = {f"ours:{engines[-1]}+{m}": m for m in filter(None, args.speculation.split(","))}
     arts |= {system: arts[f"ours:{engines[-1]}"] for system in speculating}
     speed: dict[str, list[float]] = {k: [] for k in [*llamas, *arts]}
     prefill: dict[str, list[float]] = {k: [] for k in speed}
     ids: dict[str, list[int]] = {}
+    def run(system: str, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+        """(prefill ms, decode tokens/s, new token ids)."""
+        if system in llamas:
+            return llamas[system].generate(prompt, new)
+        tps, r = time_ours(arts[system], prompt, new, speculating.get(system, False))
+        return r.metrics.ttft_s * 1e3, tps, r.token_ids
+
     for system in speed:  # warm-up
-        (llamas[system].generate(prompt, 8) if system in llamas
-         else time_ours(arts[system], prompt, 8, speculating.get(system, False)))
+        run(system, prompt, 8)
     for _ in range(args.repeats):
         for system in speed:
-            if system in llamas:
-                ms, tps, ids[system] = llamas[system].generate(prompt, n)
-            else:
-                tps, r = time_ours(arts[system], prompt, n, speculating.get(system, False))
-                ms, ids[system] = r.metrics.ttft_s * 1e3, r.token_ids
-            speed[system].append(round(tps, 1))
-            prefill[system].append(round(ms, 1))
+            tokens, seconds, ms, ids[system] = 0, 0.0, [], []
+            for p in prompts:
+                prefill_ms, tps, new_ids = run(system, p, n)
+                tokens, seconds = tokens + len(new_ids) - 1, seconds + ((len(new_ids) - 1) / tps if tps else 0.0)
+                ms.append(prefill_ms)
+                ids[system] += new_ids
+            speed[system].append(round(tokens / seconds, 1))
+            prefill[system].append(round(float(np.mean(ms)), 1))
     gbs = read_bandwidth_gbs()
     ref = float(np.median(speed[f"llama.cpp:{REFERENCE}"])) if f"llama.cpp:{REFERENCE}" in speed else None
     report = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
-              "cpu": _cpu_name(), "recipe": recipe.name, "prompt_tokens": len(prompt), "new_tokens": n,
+              "cpu": _cpu_name(), "recipe": recipe.name, "prompts": len(prompts),
+              "prompt_tokens": [len(p) for p in prompts], "new_tokens": n,
               "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1), "systems": {}}
     for system in speed:
         kind, _, name = system.partition(":")

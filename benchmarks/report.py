@@ -1,12 +1,15 @@
-"""Per-recipe tokens/s report: the four configurations of the Qualcomm article's Figure 7, side by side.
+"""Per-recipe tokens/s report: the four configurations of the Qualcomm article's Figure 7, side by side,
+and the draft-free speculation methods.
 
     python -m benchmarks.report [--recipe tiny-stdlib-spd] [--out reports] [--repeats 1] [--warmup 1]
                                 [--tlm DIR] [--dlm DIR] [--bandwidth-gib 1]
 
 Configurations: baseline (unquantized TLM, autoregressive), MXFP6 TLM autoregressive, unquantized
-speculative decoding, MXFP6 + speculative decoding. Two artifacts are built (cached while the
-recipe is unchanged): the recipe with its TLM unquantized, and with its TLM in MXFP6 (the recipe's
-format, fp6_e2m3 fused if it names none); both carry the recipe's DLM. Runs alternate between
+speculative decoding, MXFP6 + speculative decoding ("SpD": the recipe's method, its draft model if
+it has a [dlm], else its draft-free method), and MXFP6 with each draft-free method (prompt lookup,
+lookahead) that is not already the recipe's. Two artifacts are built (cached while the recipe is
+unchanged): the recipe with its TLM unquantized, and with its TLM in MXFP6 (the recipe's format
+and lowering, fp6_e2m3 fused if it names none); both carry the recipe's DLM, if any. Runs alternate between
 configurations prompt by prompt so machine drift hits all alike. Every run is greedy, and the
 report checks that speculative output equals autoregressive output of the same compiled TLM.
 Writes report.json, report.md and report.png under OUT/RECIPE/. A configuration whose artifact
@@ -37,12 +40,20 @@ from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
 from runtime.request import check_draft_length
 
-CONFIGS = {  # name -> (artifact, speculative)
+FIGURE_7 = {  # name -> (artifact, speculative: False, True for the recipe's method, or a method)
     "baseline": ("fp32", False),
     "MXFP6": ("mxfp6", False),
     "SpD": ("fp32", True),
     "MXFP6 + SpD": ("mxfp6", True),
 }
+DRAFT_FREE = {"prompt_lookup": "prompt lookup", "lookahead": "lookahead"}
+AUTOREGRESSIVE = {"fp32": "baseline", "mxfp6": "MXFP6"}  # each artifact's autoregressive row
+
+
+def configs(recipe) -> dict[str, tuple[str, bool | str]]:
+    """Figure 7's four, then MXFP6 with each draft-free method the recipe's SpD is not."""
+    return FIGURE_7 | {f"MXFP6 + {label}": ("mxfp6", method) for method, label in DRAFT_FREE.items()
+                       if method != recipe.speculation}
 
 
 def memory_mib(art_dir: Path) -> dict:
@@ -53,23 +64,23 @@ def memory_mib(art_dir: Path) -> dict:
     return {"pss_after_generate_mib": out["after_generate_mib"]["pss"], "weights_mib": out["weights_file_mib"]}
 
 
-def run_all(arts: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int,
+def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int,
             draft_length: int | None = None) -> dict:
-    """Every configuration on every prompt, interleaved; `draft_length` fixes SpD's draft length
-    (None: the timed policy chooses, and may choose not to draft)."""
-    runs: dict[str, list] = {name: [] for name in CONFIGS}
+    """Every configuration (`rows`, as configs()) on every prompt, interleaved; `draft_length` fixes
+    SpD's draft length (None: the timed policy chooses, and may choose not to draft)."""
+    runs: dict[str, list] = {name: [] for name in rows}
 
-    def one(which: str, spd: bool, prompt: str):
+    def one(which: str, spd: bool | str, prompt: str):
         arts[which].tlm.rewind(0)  # cold: a repeated prompt would find its prefix in the cache
         return runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd,
-                                draft_length=draft_length if spd else None)
+                                draft_length=draft_length if spd is True else None)
 
-    for which, spd in CONFIGS.values():
+    for which, spd in rows.values():
         for _ in range(warmup):
             one(which, spd, prompts[0])
     for _ in range(repeats):
         for i, prompt in enumerate(prompts):
-            for name, (which, spd) in CONFIGS.items():
+            for name, (which, spd) in rows.items():
                 runs[name].append((i, one(which, spd, prompt)))
     return runs
 
@@ -101,19 +112,21 @@ def summarize(runs: list) -> dict:
     return row
 
 
-def greedy_equal(runs: dict) -> dict[str, list[bool]]:
-    """Per prompt: does greedy SpD give exactly the tokens of greedy AR on the same compiled TLM?"""
-    ar = {"fp32": runs["baseline"], "mxfp6": runs["MXFP6"]}
-    spd = {"fp32": runs["SpD"], "mxfp6": runs["MXFP6 + SpD"]}
-    return {k: [a.token_ids == s.token_ids for (_, a), (_, s) in zip(ar[k], spd[k], strict=True)] for k in ar}
+def greedy_equal(runs: dict, rows: dict) -> dict[str, list[bool]]:
+    """Per speculative configuration and prompt: are its greedy tokens exactly those of greedy AR on
+    the same compiled TLM?"""
+    return {name: [a.token_ids == s.token_ids
+                   for (_, a), (_, s) in zip(runs[AUTOREGRESSIVE[which]], runs[name], strict=True)]
+            for name, (which, spd) in rows.items() if spd is not False}
 
 
 def metadata(recipe, arts: dict, args) -> dict:
     tlm_quant = arts["mxfp6"].manifest.models["tlm"].quant
     return {
-        "recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model,
+        "recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model if recipe.dlm else None,
+        "speculation": recipe.speculation,
         "precisions": {"baseline TLM": recipe.tlm.dtype, "MXFP6 TLM": f"{tlm_quant['format']} ({tlm_quant['kernel']})",
-                       "DLM": recipe.dlm.mx_format or recipe.dlm.dtype},
+                       "DLM": (recipe.dlm.mx_format or recipe.dlm.dtype) if recipe.dlm else None},
         "k": recipe.k, "context_length": recipe.context_length, "max_new_tokens": args.max_new_tokens
         or recipe.max_new_tokens, "prompts": len(recipe.prompts), "warmup": args.warmup, "repeats": args.repeats,
         "sampling": "greedy", "onnxruntime": ort.__version__, "provider": PROVIDERS[recipe.target][0],
@@ -125,8 +138,9 @@ def metadata(recipe, arts: dict, args) -> dict:
 
 def markdown(report: dict) -> str:
     meta, rows = report["meta"], report["configs"]
+    spd = f"DLM `{meta['dlm']}`" if meta["dlm"] else f"SpD = {DRAFT_FREE[meta['speculation']]} (no draft model)"
     lines = [f"# {meta['recipe']}: tokens/s report", "",
-             f"TLM `{meta['tlm']}`, DLM `{meta['dlm']}`, K = {meta['k']}, {meta['prompts']} prompts x "
+             f"TLM `{meta['tlm']}`, {spd}, K = {meta['k']}, {meta['prompts']} prompts x "
              f"{meta['repeats']} repeats after {meta['warmup']} warm-up, greedy, up to {meta['max_new_tokens']} "
              f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), {meta['machine']['cores']} cores.",
              "",
@@ -142,10 +156,11 @@ def markdown(report: dict) -> str:
               "round yields `mean accepted` tokens where autoregressive decoding spends one TLM step per token.", "",
               "| configuration | AR ms per token | TLM call per round | call / AR token | DLM step | host per round |",
               "|---|---|---|---|---|---|"]
-    for spd, ar in (("SpD", "baseline"), ("MXFP6 + SpD", "MXFP6")):
-        s, step = rows[spd], 1000 / rows[ar]["decode_tokens_per_s"]
+    for name in report["greedy_spd_equals_ar"]:  # the speculative rows
+        ar = "baseline" if name == "SpD" else "MXFP6"
+        s, step = rows[name], 1000 / rows[ar]["decode_tokens_per_s"]
         dlm = "-" if s["dlm_step_ms"] is None else f"{s['dlm_step_ms']:.2f}"  # nothing drafted
-        lines.append(f"| {spd} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
+        lines.append(f"| {name} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
                      f"{dlm} | {s['host_ms_per_round']:.2f} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
               f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
@@ -170,12 +185,13 @@ def chart(report: dict, path: Path) -> None:
     names = list(report["configs"])
     speed = [report["configs"][n]["decode_tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(names, speed, color=["#888888", "#4c72b0", "#dd8452", "#55a868"])
+    bars = ax.bar(names, speed, color=["#888888", "#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860"][: len(names)])
     for bar, n in zip(bars, names, strict=True):
         ax.annotate(f"{report['configs'][n]['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom")
     meta = report["meta"]
     ax.set_ylabel("decode tokens/s")
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_title(f"{meta['recipe']} (K={meta['k']}, {meta['provider']}, {meta['machine']['cores']} cores)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -200,10 +216,15 @@ def main(argv: list[str] | None = None) -> int:
             recipe = replace(recipe, **{role: replace(getattr(recipe, role), model=path)})
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
-    if recipe.dlm is None or not recipe.prompts:
-        print(f"recipe {recipe.name!r} needs a [dlm] and a prompt set for this report", file=sys.stderr)
+    if not recipe.prompts or (recipe.dlm is None and recipe.speculation == "draft"):
+        print(f"recipe {recipe.name!r} needs a prompt set, and a [dlm] or a draft-free speculation method, "
+              "for this report", file=sys.stderr)
         return 2
-    missing = [m.model for m in (recipe.tlm, recipe.dlm) if not is_available(m.model)]
+    if args.draft_length is not None and recipe.speculation != "draft":
+        print("error: --draft-length: applies to recipes whose speculation is a draft model", file=sys.stderr)
+        return 2
+    rows_of = configs(recipe)
+    missing = [m.model for m in (recipe.tlm, recipe.dlm) if m is not None and not is_available(m.model)]
     if missing:
         report = {"meta": {"recipe": recipe.name}, "status": "missing weights", "missing": missing,
                   "how": "put the checkpoints in the local Hugging Face cache or pass local folders to "
@@ -222,20 +243,23 @@ def main(argv: list[str] | None = None) -> int:
         except DoesNotFitError as exc:
             unfit[which] = str(exc)
     if unfit:
-        return _does_not_fit(recipe, out, unfit)
+        return _does_not_fit(recipe, rows_of, out, unfit)
     try:  # before any run: an uncompiled draft length would otherwise fail midway
         for art in arts.values():
             check_draft_length(art, "draft", None, args.draft_length)
     except (TypeError, ValueError) as exc:
         print(f"error: --draft-length: {exc}", file=sys.stderr)
         return 2
-    runs = run_all(arts, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats, args.draft_length)
+    runs = run_all(arts, rows_of, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats,
+                   args.draft_length)
     rows = {name: summarize(r) for name, r in runs.items()}
     memory = {k: memory_mib(d) for k, d in dirs.items()}
     bandwidth = read_bandwidth_gbs(args.bandwidth_gib)
-    per_call = {(which, m): weight_bytes_per_call(d, m) / 1e6 for which, d in dirs.items() for m in ("tlm", "dlm")}
+    models = ("tlm", "dlm") if recipe.dlm else ("tlm",)
+    per_call = {(which, m): weight_bytes_per_call(d, m) / 1e6 if m in models else 0.0
+                for which, d in dirs.items() for m in ("tlm", "dlm")}
     for name, row in rows.items():
-        which = CONFIGS[name][0]
+        which = rows_of[name][0]
         row["speedup"] = row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
         row["pss_mib"] = memory[which]["pss_after_generate_mib"]
         row["weights_read_mb_per_token"] = (row["tlm_calls_per_token"] * per_call[which, "tlm"]
@@ -243,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         row["floor_tokens_per_s"] = bandwidth * 1e3 / row["weights_read_mb_per_token"]
     report = {"meta": metadata(recipe, arts, args) | {"read_bandwidth_gb_per_s": bandwidth}, "status": "measured",
               "configs": rows,
-              "greedy_spd_equals_ar": greedy_equal(runs),
+              "greedy_spd_equals_ar": greedy_equal(runs, rows_of),
               "weights_mib": {k: v["weights_mib"] for k, v in memory.items()}}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
@@ -253,12 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(all(v) for v in report["greedy_spd_equals_ar"].values()) else 1
 
 
-def _does_not_fit(recipe, out: Path, unfit: dict[str, str]) -> int:
-    """A report whose configurations say which do not fit and why (it compares all four side by side,
-    so none is measured when one of the two artifacts does not fit)."""
+def _does_not_fit(recipe, rows_of: dict, out: Path, unfit: dict[str, str]) -> int:
+    """A report whose configurations say which do not fit and why (it compares all of them side by
+    side, so none is measured when one of the two artifacts does not fit)."""
     rows = {name: f"does not fit: {unfit[which]}" if which in unfit else "fits; not measured (its counterpart "
-            "does not)" for name, (which, _) in CONFIGS.items()}
-    report = {"meta": {"recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model},
+            "does not)" for name, (which, _) in rows_of.items()}
+    report = {"meta": {"recipe": recipe.name, "tlm": recipe.tlm.model, "dlm": recipe.dlm.model if recipe.dlm else None},
               "status": "does not fit", "configs": rows}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     text = "\n".join([f"# {recipe.name}: tokens/s report", "", "| configuration | status |", "|---|---|",

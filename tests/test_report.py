@@ -1,4 +1,5 @@
-"""The per-recipe report: four configurations, greedy SpD == AR check, outputs, missing weights."""
+"""The per-recipe report: Figure 7's four configurations and the draft-free methods, greedy SpD == AR
+check, outputs, missing weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 from benchmarks import report
 
 
-def write_recipe(path, tlm: str, dlm: str) -> str:
+def write_recipe(path, tlm: str, dlm: str | None) -> str:
+    """A draft-model recipe, or with dlm None one whose speculation is prompt lookup."""
+    table = f'[dlm]\nmodel = "{dlm}"' if dlm else ""
+    method = "" if dlm else 'speculation = "prompt_lookup"'
     path.write_text(f"""
 name = "tiny-report"
 k = 3
@@ -16,12 +20,15 @@ context_length = 96
 max_prompt_length = 32
 max_new_tokens = 16
 prompts = ["def f(x):", "import os"]
+{method}
 [tlm]
 model = "{tlm}"
-[dlm]
-model = "{dlm}"
+{table}
 """)
     return str(path)
+
+
+ROWS = ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
 
 
 def test_report_measures_four_configurations(checkpoints, tmp_path):
@@ -32,10 +39,10 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
                         "--bandwidth-gib", "0.125", "--draft-length", "3"]) == 0
     out = tmp_path / "out" / "tiny-report"
     data = json.loads((out / "report.json").read_text())
-    assert list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
+    assert list(data["configs"]) == [*ROWS, "MXFP6 + prompt lookup", "MXFP6 + lookahead"]
     assert all(r["decode_tokens_per_s"] > 0 and r["pss_mib"] > 0 for r in data["configs"].values())
     assert "acceptance_rate" in data["configs"]["SpD"] and "acceptance_rate" not in data["configs"]["MXFP6"]
-    assert data["greedy_spd_equals_ar"] == {"fp32": [True, True], "mxfp6": [True, True]}
+    assert data["greedy_spd_equals_ar"] == {name: [True, True] for name in list(data["configs"])[2:]}
     assert data["meta"]["precisions"]["MXFP6 TLM"].startswith("fp6_e2m3")
     spd = data["configs"]["SpD"]
     assert spd["tlm_score_ms"] > 0 and spd["dlm_step_ms"] > 0 and spd["host_ms_per_round"] >= 0
@@ -48,6 +55,21 @@ def test_report_measures_four_configurations(checkpoints, tmp_path):
     md = (out / "report.md").read_text()
     assert "| MXFP6 + SpD |" in md and "Where the time goes" in md and "Bandwidth floor" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_of_a_recipe_without_a_draft_model(checkpoints, tmp_path):
+    """SpD is then the recipe's draft-free method; the other one gets its own row; no DLM is read."""
+    recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], None)
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--warmup", "0",
+                        "--bandwidth-gib", "0.125"]) == 0
+    out = tmp_path / "out" / "tiny-report"
+    data = json.loads((out / "report.json").read_text())
+    assert list(data["configs"]) == [*ROWS, "MXFP6 + lookahead"]
+    assert data["meta"]["dlm"] is None and data["meta"]["speculation"] == "prompt_lookup"
+    assert data["greedy_spd_equals_ar"] == {name: [True, True] for name in ROWS[2:] + ["MXFP6 + lookahead"]}
+    assert all(r["dlm_calls_per_token"] == 0 for r in data["configs"].values())
+    assert "SpD = prompt lookup (no draft model)" in (out / "report.md").read_text()
+    assert report.main(["--recipe", recipe, "--out", str(tmp_path / "out"), "--draft-length", "2"]) == 2
 
 
 def test_report_refuses_an_uncompiled_draft_length_before_any_run(checkpoints, tmp_path, capsys):
@@ -76,7 +98,7 @@ def test_report_marks_configurations_that_do_not_fit(checkpoints, tmp_path, monk
                         "--dlm", str(checkpoints["draft"])]) == 2
     out = tmp_path / "out" / "tiny-report"
     data = json.loads((out / "report.json").read_text())
-    assert data["status"] == "does not fit" and list(data["configs"]) == ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
+    assert data["status"] == "does not fit" and list(data["configs"])[:4] == ROWS
     assert all(row.startswith("does not fit: exporting TLM") and "GiB available" in row
                for row in data["configs"].values())
     assert "| baseline | does not fit" in (out / "report.md").read_text()

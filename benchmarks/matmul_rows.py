@@ -85,7 +85,7 @@ def main() -> None:
         sessions = {}
         for kind in kinds:
             model, nbytes = stack(kind, args.layers, rng)
-            path = Path(tmp) / f"{kind.split()[0]}.onnx"
+            path = Path(tmp) / f"{kind.replace(' ', '_')}.onnx"
             onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
             sessions[kind] = (ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"]),
                               nbytes)

@@ -138,7 +138,8 @@ def metadata(recipe, arts: dict, args) -> dict:
 
 def markdown(report: dict) -> str:
     meta, rows = report["meta"], report["configs"]
-    spd = f"DLM `{meta['dlm']}`" if meta["dlm"] else f"SpD = {DRAFT_FREE[meta['speculation']]} (no draft model)"
+    spd = (f"DLM `{meta['dlm']}`" if meta["speculation"] == "draft"
+           else f"SpD = {DRAFT_FREE[meta['speculation']]} (no draft model)")
     lines = [f"# {meta['recipe']}: tokens/s report", "",
              f"TLM `{meta['tlm']}`, {spd}, K = {meta['k']}, {meta['prompts']} prompts x "
              f"{meta['repeats']} repeats after {meta['warmup']} warm-up, greedy, up to {meta['max_new_tokens']} "

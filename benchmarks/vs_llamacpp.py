@@ -192,6 +192,8 @@ def main() -> None:
                                            for f in formats}
     llamas |= {f"genai:{p}": Genai(source, p, args.threads) for p in filter(None, args.genai.split(","))}
     texts = list(recipe.prompts) if args.prompts == "recipe" else [LONG_ANSWER]
+    if not texts:
+        ap.error(f"recipe {recipe.name!r} has no prompts; use --prompts long")
     prompts = [encode_prompt(arts["ours:fp32"], text) for text in texts]
     prompt = prompts[0]
     n = args.new_tokens
@@ -217,7 +219,7 @@ def main() -> None:
                 tokens, seconds = tokens + len(new_ids) - 1, seconds + ((len(new_ids) - 1) / tps if tps else 0.0)
                 ms.append(prefill_ms)
                 ids[system] += new_ids
-            speed[system].append(round(tokens / seconds, 1))
+            speed[system].append(round(tokens / seconds, 1) if seconds else 0.0)
             prefill[system].append(round(float(np.mean(ms)), 1))
     gbs = read_bandwidth_gbs()
     ref = float(np.median(speed[f"llama.cpp:{REFERENCE}"])) if f"llama.cpp:{REFERENCE}" in speed else None

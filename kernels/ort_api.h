@@ -14,8 +14,10 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 // GCC 12's AVX-512 headers warn of their own _mm512_undefined_* values (GCC bug 105593).
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define MXSPD_X86 1
 #endif
 

@@ -31,7 +31,7 @@ model = "{tlm}"
 ROWS = ["baseline", "MXFP6", "SpD", "MXFP6 + SpD"]
 
 
-def test_report_measures_four_configurations(checkpoints, tmp_path):
+def test_report_measures_figure_7_and_the_draft_free_methods(checkpoints, tmp_path):
     recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], checkpoints["draft"])
     # a fixed draft length: the timed policy may choose not to draft at all on a machine where the
     # tiny TLM's scoring call is dear (seen on an AVX-512 CPU), and then no DLM step is measured

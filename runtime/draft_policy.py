@@ -1,7 +1,13 @@
 """How many tokens to draft this round: the one that maximises expected tokens per second.
 
 With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a round that
-drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs round(k): its whole wall
+drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens. A round that accepts n of k drafts has
+tested n + 1 of them (n < k; the rest were never judged) or k (n = k): for a draft model, whose
+tokens are accepted about independently (`independent`), a is estimated as accepted over tested;
+over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are right or wrong
+together (a match that fails at its first token rarely recovers), so there the untested ones count
+as rejected (docs/benchmarks.md: estimated the independent way, prompt lookup drafted more and lost
+3-5% more on the default recipe's prompts). and costs round(k): its whole wall
 time (DLM catch-up and drafting, the scoring call, host work), first estimated as
 score(k) + (k + 1) * dlm_step; k = 0 is a plain decode step: 1 token for decode. The policy picks
 the best compiled k, so when drafting does not pay (low acceptance, a slow DLM, a costly scoring
@@ -15,7 +21,11 @@ then plain steps, to measure what drafting must beat. The runtime adapts only wh
 greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
 estimate starts at a prior worth a few drafts. After a run of plain rounds the policy drafts once
-with the smallest k (a probe), so a generation whose text turns predictable later is noticed. The
+(a probe), so a generation whose text turns predictable later is noticed: with the smallest k, or
+for independent drafts with the k of the best expected rate (the smallest while drafting looks
+hopeless, a longer one near break-even, where k independent verdicts can settle the question in
+one probe: with the smallest k a good draft model was seen never to start drafting). A lookup's
+longer probe tells little more than its first token and costs a longer scoring call. The
 run is at least `probe_every` rounds, doubles after each probe that changed nothing, and is long
 enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe
 loses its cost minus the plain steps its expected tokens would have taken, plus its drafter's
@@ -46,6 +56,7 @@ class DraftPolicy:
         probe_share: float = 0.02,
         remeasure_every: int = 32,
         margin: float = 0.05,
+        independent: bool = True,
     ) -> None:
         if not score_ms:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
@@ -63,8 +74,8 @@ class DraftPolicy:
         self.plain_wanted = 2  # warm plain steps to measure before drafting (first, and on re-measuring)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
-        self.remeasure_every, self.margin = remeasure_every, margin
-        self.drafted = self.accepted = 0
+        self.remeasure_every, self.margin, self.independent = remeasure_every, margin, independent
+        self.tested = self.accepted = 0  # drafted tokens the TLM judged, and those it accepted
         self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
         self.catch_up = 0.0  # ms the last probe spent feeding the DLM what the plain steps before it committed
@@ -76,7 +87,7 @@ class DraftPolicy:
 
     @property
     def acceptance(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (self.drafted + self.prior_weight)
+        return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
         a = self.acceptance
@@ -94,12 +105,15 @@ class DraftPolicy:
             self.drafting_in_a_row = 0
             return 0  # measure a plain step (first, or again): it is what drafting has to beat
         # The fastest k, where drafting must beat plain decoding by the margin: too close to call,
-        # estimation noise would make it lose as often as win. (Runs every round: kept lean.)
-        best, bar, probe = 0, (1 + self.margin) / self.cost[0], limit + 1
+        # estimation noise would make it lose as often as win; and the fastest drafting k, a
+        # probe's. (Runs every round: kept lean.)
+        best, bar, probe, probe_rate = 0, (1 + self.margin) / self.cost[0], 0, 0.0
         for k, cost in self.cost.items():
             if 0 < k <= limit:
-                probe = min(probe, k)
-                if (rate := self.expected_tokens(k) / cost) > bar:
+                rate = self.expected_tokens(k) / cost
+                if not probe or (rate > probe_rate if self.independent else k < probe):
+                    probe, probe_rate = k, rate
+                if rate > bar:
                     best, bar = k, rate
         if best > 0:
             self.wait = self.probe_every
@@ -111,7 +125,7 @@ class DraftPolicy:
                 self.plain_wanted = 2
             return best
         self.drafting_in_a_row = 0
-        if probe <= limit and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe):
+        if probe and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe):
             self.wait *= 2  # back off: the last probe did not change the choice
             self.plain_in_a_row = 0
             return probe  # is drafting paying off again?
@@ -125,7 +139,7 @@ class DraftPolicy:
         return loss / (self.probe_share * self.cost[0])
 
     def new_generation(self) -> None:
-        self.drafted, self.accepted = self.drafted // 2, self.accepted // 2
+        self.tested, self.accepted = self.tested // 2, self.accepted // 2
         self.plain_in_a_row = 0
         self.wait = self.probe_every
         self.last_k = None
@@ -158,5 +172,5 @@ class DraftPolicy:
                     for j in self.cost:
                         if j and j not in self.measured:
                             self.cost[j] *= scale
-        self.drafted += k
+        self.tested += accepted + (accepted < k) if self.independent else k
         self.accepted += accepted

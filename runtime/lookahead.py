@@ -27,6 +27,9 @@ from runtime.proposal import Proposal
 class LookaheadPolicy(DraftPolicy):
     """Option 1 is a lookahead step, 0 a plain step; `accepted` counts tokens accepted per step."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, independent=False, **kwargs)  # acceptance: tokens per step, not per draft
+
     def expected_tokens(self, k: int) -> float:
         return 1.0 + self.acceptance if k else 1.0
 

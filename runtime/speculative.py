@@ -120,7 +120,7 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         assert isinstance(settings, PromptLookupSettings)
         fixed = draft_length or (None if settings.adaptive else settings.max_draft)
         policy = _policy(art, ("prompt_lookup", settings.ngram, settings.max_draft), lambda: DraftPolicy(
-            {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt),
+            {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt, independent=False),
             adapt and fixed is None)
         return PromptLookup(settings, policy)
     assert method == "lookahead" and isinstance(settings, LookaheadSettings)

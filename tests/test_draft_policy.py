@@ -74,6 +74,50 @@ def test_the_choice_maximises_the_rate_and_respects_the_limit():
     assert p.choose(limit=2) <= 2 and p.choose(limit=0) == 0
 
 
+def test_acceptance_counts_the_drafts_the_target_judged():
+    """i.i.d. acceptance a: a round stops at its first rejection, so the drafts after it say nothing.
+    Estimated over tested drafts it converges to a; over drafted ones it would read ~0.59 for 0.8."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    p, lookup = policy(prior_weight=1e-9), policy(prior_weight=1e-9, independent=False)
+    for _ in range(4000):
+        n = 0
+        while n < 4 and rng.random() < 0.8:
+            n += 1
+        p.observe(4, n, p.cost[4])
+        lookup.observe(4, n, lookup.cost[4])
+    assert p.acceptance == pytest.approx(0.8, abs=0.015)
+    # a lookup's untested drafts count as rejected (its drafts are right or wrong together)
+    assert lookup.acceptance == pytest.approx(0.59, abs=0.02)
+
+
+def test_a_probe_near_break_even_drafts_the_length_that_settles_it():
+    """Scoring calls dear enough that the prior (0.5) does not draft: the probe takes the best-rate k,
+    and one fully accepted probe makes drafting pay; where drafting looks hopeless it probes 1 token."""
+    scores = {1: 18.0, 2: 21.0, 3: 21.0, 4: 25.0}  # ms, against a 10 ms plain step
+
+    def first_probe(p: DraftPolicy) -> int:
+        for _ in range(3):
+            p.observe(0, 0, p.cost[0])
+        for _ in range(5):
+            if k := p.choose(100):
+                return k
+            p.observe(0, 0, p.cost[0])
+        raise AssertionError("no probe")
+
+    p = policy(score_ms=scores, dlm_step_ms=0.3, probe_every=2, probe_share=1.0)
+    k = first_probe(p)
+    assert k == max((1, 2, 3, 4), key=p.rate) > 1
+    p.observe(k, k, p.cost[k])  # every draft accepted
+    assert p.choose(100) > 0
+    # a lookup's drafts stand or fall together: its probe stays one token long
+    assert first_probe(policy(score_ms=scores, dlm_step_ms=0.0, probe_every=2, probe_share=1.0, independent=False)) == 1
+    hopeless = policy(score_ms={k: 10.0 * (k + 1) for k in SCORES}, probe_every=2, probe_share=1.0)
+    feed(hopeless, 0.0)
+    assert [hopeless.choose(100) for _ in range(3)] == [0, 0, 1]
+
+
 def test_plain_rounds_are_followed_by_probes_that_back_off():
     p = policy(probe_every=3, probe_share=1.0)  # probes cheap enough for the count alone to decide
     feed(p, 0.0)
@@ -177,9 +221,9 @@ def test_the_adaptive_policy_is_kept_on_the_artifact(artifact_dir):
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
     kept = art.policies[("draft",)]
     assert 0 in kept.measured
-    drafted = kept.drafted
+    tested = kept.tested
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True)
-    assert art.policies[("draft",)] is kept and kept.drafted >= drafted // 2
+    assert art.policies[("draft",)] is kept and kept.tested >= tested // 2
     runtime.generate(art, [0, 5, 6], max_new_tokens=10, speculative=True, draft_length=2, do_sample=True, seed=1)
     assert art.policies == {("draft",): kept}  # fixed or sampled runs get their own
 

@@ -164,13 +164,13 @@ def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generat
     prompt = [0, *[5, 6, 7] * 4]
     runtime.generate(art, prompt, max_new_tokens=20, speculative="prompt_lookup")
     (kept,) = [p for k, p in art.policies.items() if k[0] == "prompt_lookup"]
-    drafted = kept.drafted
-    assert drafted >= 4
+    tested = kept.tested
+    assert tested >= 4
     seen = []
     observe = kept.observe
-    kept.observe = lambda *a: (seen.append(kept.drafted), observe(*a))  # history at the first round
+    kept.observe = lambda *a: (seen.append(kept.tested), observe(*a))  # history at the first round
     runtime.generate(art, prompt, max_new_tokens=20, speculative="prompt_lookup")
-    assert seen[0] == drafted // 2
+    assert seen[0] == tested // 2
 
 
 class CountingPolicy(LookaheadPolicy):

@@ -124,7 +124,7 @@ class Scheduler:
     def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None,
                  on_finish: Callable[[Request], None] | None = None, prefix_cache: bool | None = None) -> None:
         """`prefix_cache` (default: on when the artifact is batch invariant) reuses finished requests'
-        KV for later prompts that start with the same tokens."""
+        KV for later prompts that start with the same tokens, the draft model's too."""
         invariant = art.manifest.models["tlm"].batch_invariant
         if prefix_cache and not invariant:
             raise ValueError("the prefix cache needs a batch-invariant artifact (KV reused from another call "
@@ -135,8 +135,8 @@ class Scheduler:
         self.waiting: deque[list[Request]] = deque()  # groups: the choices of one prompt
         self.live: list[Request] = []
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
-                          drafted=0, accepted=0, prompt_tokens=0, cached_prompt_tokens=0, prefix_cache_tokens=0,
-                          prefix_cache_evicted=0)
+                          drafted=0, accepted=0, prompt_tokens=0, cached_prompt_tokens=0, draft_cached_tokens=0,
+                          prefix_cache_tokens=0, prefix_cache_evicted=0)
         self._wake = threading.Condition()
         self.policy = BatchDraftPolicy(self._call_ms)
         self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
@@ -232,7 +232,10 @@ class Scheduler:
     def _loop(self) -> None:
         with self.art.exclusive("scheduler"):
             forest = Forest(self.art.tlm, prefix_cache=self.prefix_cache)
-            dlm = Forest(self.art.dlm) if "dlm" in self.art.runners else None
+            dlm = None
+            if "dlm" in self.art.runners:
+                cache = self.prefix_cache and self.art.manifest.models["dlm"].batch_invariant
+                dlm = Forest(self.art.dlm, prefix_cache=cache)
             while True:
                 with self._wake:
                     while not self._stop and not self.waiting and not self.live:
@@ -343,7 +346,10 @@ class Scheduler:
         if not drafting:
             return out
         for req, _ in drafting:
-            req.dlm_branch = req.dlm_branch or dlm.root()[0]
+            if req.dlm_branch is None:  # the draft model's KV of a cached prefix is reused too
+                hit = dlm.cached_prefix(req.prompt + req.tokens)
+                req.dlm_branch = dlm.attach(hit)
+                self.stats["draft_cached_tokens"] += len(hit)
             req.dlm_fed = None
         drafts = {id(r): ([], []) for r, _ in drafting}  # tokens, q
         chains = [(req.prompt + req.tokens)[req.dlm_branch.length:] for req, _ in drafting]  # catch up first
@@ -380,7 +386,9 @@ class Scheduler:
             forest.keep(req.branch, req.prompt + req.tokens)
         elif req.branch is not None:
             forest.release(req.branch)
-        if req.dlm_branch is not None:
+        if req.dlm_branch is not None and reason != "error":  # its accepted prefix, as the TLM's
+            dlm.keep(req.dlm_branch, req.prompt + req.tokens)
+        elif req.dlm_branch is not None:
             dlm.release(req.dlm_branch)
         self.live.remove(req)
         self.stats["finished"] += 1

@@ -112,6 +112,34 @@ def test_server_turns_reuse_cached_prefixes_and_equal_cold_runs(flat, checkpoint
         assert answer == runtime.generate(art, prompt, max_new_tokens=max_new, speculative=False).token_ids
 
 
+def test_the_draft_models_cache_reuses_prefixes_too(flat, checkpoints, tmp_path_factory, monkeypatch):
+    """Chat turns with draft-model speculation: from the second turn on the draft model is fed only
+    what its cache lacks, and every answer equals the turn decoded alone, cold."""
+    from serve.batch_policy import BatchDraftPolicy
+    from tests.test_serve_speculation import ALWAYS_DRAFT
+
+    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)  # the tiny pair's timed policy may not draft
+    art = artifact(flat, checkpoints, tmp_path_factory, "mx-native", dlm=True)
+    spec = batched_speculation(art, "draft", 2)
+    scheduler, served, fed = Scheduler(art), [], []
+    try:
+        conversation = [0] + list(range(100, 120))
+        for turn in range(3):
+            conversation = conversation + [4 + turn, 5 + turn]
+            before = scheduler.stats["draft_cached_tokens"]
+            [answer] = _serve(scheduler, [conversation], 8, spec)
+            fed.append(scheduler.stats["draft_cached_tokens"] - before)
+            served.append((conversation, answer))
+            conversation = conversation + answer
+        assert scheduler.stats["drafted"] > 0
+    finally:
+        scheduler.close()
+    assert fed[0] == 0 and all(f >= 21 for f in fed[1:]), fed  # later turns: at least the first prompt cached
+    for prompt, answer in served:
+        art.tlm.rewind(0)
+        assert answer == runtime.generate(art, prompt, max_new_tokens=8, speculative=False).token_ids
+
+
 GRAPHS = {"decode": (1, 15.7), "score4": (5, 30.4), "score8": (9, 42.5), "lookahead": (13, 56.2),
           "prefill": (64, 231.9)}  # (T, ms per call) as the compiler measured them for SmolLM2
 

@@ -107,7 +107,9 @@ def summarize(runs: list) -> dict:
         # where a round's time goes, pooled: one TLM call (scoring or a plain step), drafting, host work
         steps = max(sum(sp["rounds"] + sp["plain_decode_steps"] for sp in spec), 1)
         row["tlm_score_ms"] = 1000 * sum(sp["tlm_s"] for sp in spec) / steps
-        row["dlm_step_ms"] = 1000 * sum(sp["draft_s"] for sp in spec) / drafted if drafted else None
+        # per drafted token, on the rounds that drafted (a plain step's proposing, such as a lookup
+        # that found no match, is no draft step)
+        row["dlm_step_ms"] = 1000 * sum(sp["drafting_rounds_draft_s"] for sp in spec) / drafted if drafted else None
         row["host_ms_per_round"] = 1000 * sum(sp["host_s"] for sp in spec) / steps
     return row
 

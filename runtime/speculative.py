@@ -74,6 +74,7 @@ class RoundStats:
                                                                         strict=True)],
             "tlm_calls": tlm_calls,
             "draft_s": self.draft_s,
+            "drafting_rounds_draft_s": self.spec_draft_s,  # proposing, on the rounds that drafted
             "tlm_s": self.tlm_s,
             "host_s": self.round_s - self.draft_s - self.tlm_s,
             "tlm_step_s": tlm_step,

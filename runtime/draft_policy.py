@@ -41,6 +41,13 @@ plain steps are measured again.
 from __future__ import annotations
 
 
+def judged(drafted: int, accepted: int, independent: bool) -> int:
+    """The drafts a round tells the acceptance estimate about: those the target judged (the accepted
+    ones and the first rejected) when drafts are accepted independently (a draft model); all of them
+    for a lookup, whose drafts stand or fall together."""
+    return accepted + (accepted < drafted) if independent else drafted
+
+
 class DraftPolicy:
     def __init__(
         self,
@@ -172,5 +179,5 @@ class DraftPolicy:
                     for j in self.cost:
                         if j and j not in self.measured:
                             self.cost[j] *= scale
-        self.tested += accepted + (accepted < k) if self.independent else k
+        self.tested += judged(k, accepted, self.independent)
         self.accepted += accepted

@@ -3,7 +3,8 @@
 A step advances `live` requests in one TLM call (or a few); `n` of them may draft k tokens each.
 Drafting adds k * n rows to the TLM call and, for draft-model requests, k DLM calls. The expected
 extra tokens are n * (a - a^(k+1)) / (1 - a), with `a` the recent acceptance rate (the chain model
-of shared/notes/spd-math.md). Call costs are the compiler's measurements (manifest) plus the host
+of shared/notes/spd-math.md), estimated over the drafts the TLM judged (runtime.draft_policy.judged:
+a draft model's round stops at its first rejection). Call costs are the compiler's measurements (manifest) plus the host
 time per call this process measures, so in a full batch, where the drafts' rows are real compute,
 the policy steps plainly, and alone it drafts when that pays. After a run of plain steps it drafts
 once with k = 1 (a probe), so acceptance learned on other text does not rule forever. Only greedy
@@ -20,12 +21,12 @@ class BatchDraftPolicy:
                  decay: float = 0.9) -> None:
         """call_ms(role, rows) -> (measured ms, calls) of that many rows in the cheapest calls the graphs allow."""
         self.call_ms, self.probe_every, self.decay = call_ms, probe_every, decay
-        self.drafted = self.accepted = 0.0  # decayed counts: recent text matters most
+        self.tested = self.accepted = 0.0  # decayed counts of judged and accepted drafts: recent text matters most
         self.host_ms = 0.0  # per call, beyond the compiler's measurement
         self.plain_in_a_row = 0
 
     def acceptance(self) -> float:
-        return (self.accepted + 2) / (self.drafted + 4)  # a prior of 0.5, worth 4 drafts
+        return (self.accepted + 2) / (self.tested + 4)  # a prior of 0.5, worth 4 drafts
 
     def _cost(self, role: str, rows: int) -> float:
         ms, calls = self.call_ms(role, rows)
@@ -48,10 +49,11 @@ class BatchDraftPolicy:
             return 1
         return 0
 
-    def observe(self, drafted: int, accepted: int, step_ms: float, predicted_ms: float, calls: int) -> None:
-        """What a step drafted and had accepted, and its wall time against the compiler's prediction."""
-        if drafted:
-            self.drafted = self.decay * self.drafted + drafted
+    def observe(self, tested: int, accepted: int, step_ms: float, predicted_ms: float, calls: int) -> None:
+        """How many drafts a step had judged (`judged`) and accepted, and its wall time against the
+        compiler's prediction."""
+        if tested:
+            self.tested = self.decay * self.tested + tested
             self.accepted = self.decay * self.accepted + accepted
         if calls:
             host = max(0.0, (step_ms - predicted_ms) / calls)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.artifact import Artifact
+from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import lookup
@@ -255,7 +256,7 @@ class Scheduler:
         drafts) of the others."""
         start, calls = time.perf_counter(), self.art.tlm.calls
         dlm_calls, self._predicted_ms = dlm.runner.calls if dlm else 0, 0.0
-        drafted, accepted = self.stats["drafted"], self.stats["accepted"]
+        accepted = self.stats["accepted"]
         for req in [r for r in self.live if r.cancelled]:
             self._finish(forest, dlm, req, "cancelled")
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
@@ -278,7 +279,7 @@ class Scheduler:
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
             if req.branch is None:
                 req.branch, rows_of[id(req)] = forest.fork(req.leader.branch), rows_of[id(req.leader)]
-        now, tokens = time.perf_counter(), 0
+        now, tokens, tested = time.perf_counter(), 0, 0
         for req in list(self.live):
             (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
             if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
@@ -297,6 +298,7 @@ class Scheduler:
                     req.drafter.observe(proposal, len(path), emitted, rows, 0.0)
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
+                tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")
             else:
                 emitted = [next_token(rows[-1], req.decoding.params, req.rng)]
             req.first_token = req.first_token or now
@@ -310,8 +312,7 @@ class Scheduler:
                     break
         elapsed = time.perf_counter() - start
         all_calls = self.art.tlm.calls - calls + (dlm.runner.calls - dlm_calls if dlm else 0)
-        self.policy.observe(self.stats["drafted"] - drafted, self.stats["accepted"] - accepted, elapsed * 1e3,
-                            self._predicted_ms, all_calls)
+        self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3, self._predicted_ms, all_calls)
         self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls

@@ -225,6 +225,25 @@ def test_the_batch_policy_drafts_alone_and_steps_plainly_in_a_full_batch():
     assert low.choose(live=1, drafting=1, with_dlm=1, k_max=4) == 0
 
 
+def test_draft_model_rounds_teach_the_batch_policy_only_their_judged_drafts(artifact_dir, monkeypatch):
+    """A draft-model round stops at its first rejection: the drafts after it are not evidence."""
+    from runtime.draft_policy import judged
+
+    assert judged(4, 1, True) == 2 and judged(4, 4, True) == 4 and judged(4, 1, False) == 4
+    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)
+    seen = []
+    observe = BatchDraftPolicy.observe
+    monkeypatch.setattr(BatchDraftPolicy, "observe", lambda self, tested, accepted, *a: (
+        seen.append((tested, accepted)), observe(self, tested, accepted, *a)))
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    _, stats = _run(art, batched_speculation(art, "draft", 3), [decoding(max_new_tokens=N, do_sample=False)] * 2,
+                    PROMPTS[:2])
+    tested = sum(t for t, _ in seen)
+    assert sum(a for _, a in seen) == stats["accepted"] and stats["accepted"] <= tested <= stats["drafted"]
+    assert tested < stats["drafted"] or stats["accepted"] == stats["drafted"]  # rejections left drafts unjudged
+
+
 def test_the_batch_policy_probes_and_learns_host_time():
     policy = BatchDraftPolicy(_costs(lambda rows: 1.0 * rows), probe_every=5)
     choices = [policy.choose(live=1, drafting=1, with_dlm=1, k_max=4) for _ in range(10)]

@@ -202,6 +202,7 @@ def main() -> None:
     speed: dict[str, list[float]] = {k: [] for k in [*llamas, *arts]}
     prefill: dict[str, list[float]] = {k: [] for k in speed}
     ids: dict[str, list[int]] = {}
+
     def run(system: str, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
         """(prefill ms, decode tokens/s, new token ids)."""
         if system in llamas:

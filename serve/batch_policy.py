@@ -4,10 +4,11 @@ A step advances `live` requests in one TLM call (or a few); `n` of them may draf
 Drafting adds k * n rows to the TLM call and, for draft-model requests, k DLM calls. The expected
 extra tokens are n * (a - a^(k+1)) / (1 - a), with `a` the recent acceptance rate (the chain model
 of shared/notes/spd-math.md), estimated over the drafts the TLM judged (runtime.draft_policy.judged:
-a draft model's round stops at its first rejection). Call costs are the compiler's measurements (manifest) plus the host
-time per call this process measures, so in a full batch, where the drafts' rows are real compute,
-the policy steps plainly, and alone it drafts when that pays. After a run of plain steps it drafts
-once with k = 1 (a probe), so acceptance learned on other text does not rule forever. Only greedy
+a draft model's round stops at its first rejection). Call costs are the compiler's measurements
+(manifest) plus the host time per call this process measures, so in a full batch, where the
+drafts' rows are real compute, the policy steps plainly, and alone it drafts when that pays. After
+a run of plain steps it drafts once with k = 1 (a probe), so acceptance learned on other text does
+not rule forever. Only greedy
 requests follow it: their output does not depend on k.
 """
 

@@ -88,3 +88,22 @@ def test_the_export_cli_sets_kv_slots_for_a_serving_build(checkpoints, tmp_path,
     assert main(["--recipe", str(recipe), "--kv-slots", "96", "--out", str(out), "--quiet"]) == 0
     art = runtime.load_artifact(out)
     assert (art.manifest.kv_slots, art.manifest.context_length, art.tlm.cache[0].shape[2]) == (96, 32, 96)
+
+
+@pytest.mark.parametrize("context, visible", [(2048, 128), (96, 48)])
+def test_graphs_are_timed_with_a_short_visible_prefix_whatever_the_capacity(context, visible):
+    """Attention's cost follows the keys a row sees: the compiler times every graph with at most 128
+    of them (half the cache when smaller), so a large serving cache does not make a 9-row call look
+    dearer than two 4-row calls, where the weights' cost is what differs."""
+    import numpy as np
+
+    from common import graph_io
+    from common.graph_io import ModelDims
+    from compiler.costs import _feeds
+
+    feeds = _feeds(ModelDims(n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=64), 5, context)
+    mask = feeds[graph_io.ATTENTION_MASK][0]
+    assert mask.shape == (5, context + 5)
+    assert (mask[:, :visible]).all() and not mask[:, visible:context].any()
+    np.testing.assert_array_equal(mask[:, context:], np.tri(5, dtype=bool))
+    np.testing.assert_array_equal(feeds[graph_io.POSITION_IDS][0], np.arange(5) + visible)

@@ -8,8 +8,7 @@ a draft model's round stops at its first rejection). Call costs are the compiler
 (manifest) plus the host time per call this process measures, so in a full batch, where the
 drafts' rows are real compute, the policy steps plainly, and alone it drafts when that pays. After
 a run of plain steps it drafts once with k = 1 (a probe), so acceptance learned on other text does
-not rule forever. Only greedy
-requests follow it: their output does not depend on k.
+not rule forever. Only greedy requests follow it: their output does not depend on k.
 """
 
 from __future__ import annotations

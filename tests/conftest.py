@@ -67,6 +67,13 @@ def fewest_calls(monkeypatch):
         {name: (g.tokens, 0.0) for name, g in self.entries.items()}, rows, max_rows))
 
 
+def set_costs(art, role: str, cost) -> None:
+    """Pretend the compiler measured cost(T) ms for each graph of `role` in a loaded artifact."""
+    graphs = art.manifest.models[role].graphs
+    for name, g in list(graphs.items()):
+        graphs[name] = replace(g, cost_ms=cost(g.tokens))
+
+
 def recipe_file(path: Path, model: Path, context: int = 64) -> Path:
     """A minimal TLM-only recipe TOML at `path`, for the export CLI."""
     path.write_text(f'name = "cli"\nprefill_chunk = 8\ncontext_length = {context}\nmax_prompt_length = '

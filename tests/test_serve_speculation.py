@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -14,7 +12,7 @@ from runtime.request import batched_speculation, decoding
 from serve.app import create_app
 from serve.batch_policy import BatchDraftPolicy
 from serve.scheduler import Scheduler
-from tests.conftest import tiny_recipe
+from tests.conftest import set_costs, tiny_recipe
 
 # Repeating prompts, so prompt lookup finds matches; one plain request rides along in every batch.
 PROMPTS = [[0, *range(40, 52), *range(40, 48)], [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
@@ -46,16 +44,9 @@ def _run(art, spec, decodings, prompts):
     return out, scheduler.stats
 
 
-def _set_costs(art, role, cost):
-    """Pretend the compiler measured cost(T) ms for each graph of `role`."""
-    graphs = art.manifest.models[role].graphs
-    for name, g in list(graphs.items()):
-        graphs[name] = replace(g, cost_ms=cost(g.tokens))
-
-
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
 def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifact_dir, reference, method,
-                                                                        monkeypatch):
+                                                                        monkeypatch, fewest_calls):
     monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)  # the policy is tested below
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
@@ -191,8 +182,8 @@ def test_greedy_requests_draft_only_when_the_measured_costs_say_it_pays(artifact
     the batch). The output is the same either way."""
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
-    _set_costs(art, "tlm", (lambda t: 1.0) if scoring_is_cheap else (lambda t: float(t)))
-    _set_costs(art, "dlm", (lambda t: 1e-3) if scoring_is_cheap else (lambda t: 1.0))
+    set_costs(art, "tlm", (lambda t: 1.0) if scoring_is_cheap else (lambda t: float(t)))
+    set_costs(art, "dlm", (lambda t: 1e-3) if scoring_is_cheap else (lambda t: 1.0))
     spec = batched_speculation(art, "draft", 2)
     out, stats = _run(art, spec, [decoding(max_new_tokens=N, do_sample=False)] * 2, PROMPTS[:2])
     for prompt, tokens in zip([*PROMPTS[:2], PLAIN], out, strict=True):

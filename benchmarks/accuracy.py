@@ -1,10 +1,14 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
-    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE] [--out reports]
+    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics]
+                                  [--configs ...] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0] [--out reports]
 
 Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice, and
-scores held-out text (the standard-library modules the default pair never saw, or --text FILE)
-teacher-forced through the compiled graphs, in windows of the context length. Writes
+scores held-out text (the standard-library modules the default pair never saw, --text FILE, or
+pydoc:topics: the Python reference's topic pages that CPython ships) teacher-forced through the
+compiled graphs, in windows of the context length. Peers (onnxruntime-genai's builds, llama.cpp's
+formats of the recipe's GGUF) score the same windows in the same chunks, each also against its own
+float32. Writes
 OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's) is: exact MXFP6 in the recipe's format
 (fp6_e2m3 if it names none) and exponent choice has perplexity <= 1.01x the float32 perplexity.
 """
@@ -20,6 +24,7 @@ import numpy as np
 
 import runtime
 from benchmarks.variants import build_cached, variant
+from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import stdlib_files
 
@@ -59,8 +64,24 @@ def config_artifact(recipe, name: str, config: tuple, out_dir: Path) -> Path:
     return build_cached(replace(r, tlm=replace(r.tlm, **settings)), out_dir / name.replace(" ", "-"))
 
 
+# A second natural-language text that needs no download, unlike a licence (repetitive legal prose, on
+# which one format's luck decides perplexity: docs/benchmarks.md): the Python language reference's
+# topic pages that CPython ships for pydoc, the same on every machine with the same Python.
+PYTHON_DOCS = "pydoc:topics"
+
+
+def held_out_texts(text_file: Path | None) -> list[str]:
+    if text_file is None:
+        return [f.read_text(errors="replace") for f in stdlib_files("heldout")]
+    if str(text_file) == PYTHON_DOCS:
+        from pydoc_data.topics import topics
+
+        return ["\n\n".join(topics.values())]
+    return [text_file.read_text()]
+
+
 def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
-    texts = [text_file.read_text()] if text_file else [f.read_text(errors="replace") for f in stdlib_files("heldout")]
+    texts = held_out_texts(text_file)
     tok = art.tokenizer
     ids: list[int] = []
     for text in texts:
@@ -70,44 +91,77 @@ def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
     return np.asarray(ids[:limit], dtype=np.int64)
 
 
+def judge(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Negative log-likelihood of each row's target, and each row's argmax."""
+    logits = logits.astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return logz - logits[np.arange(len(targets)), targets], logits.argmax(-1)
+
+
+def windows(tokens: np.ndarray, window: int, chunk: int):
+    """(window index, inputs, targets) per chunk: windows of `window` + 1 tokens, each scored from an
+    empty cache in chunks of `chunk` (every system sees the same contexts)."""
+    for w, start in enumerate(range(0, len(tokens) - 1, window)):
+        seq = tokens[start : start + window + 1]
+        for c in range(0, len(seq) - 1, chunk):
+            yield w, seq[c : min(c + chunk, len(seq) - 1)], seq[c + 1 : min(c + 1 + chunk, len(seq))]
+
+
+def scored(chunks) -> tuple[np.ndarray, np.ndarray]:
+    nll, top1 = zip(*chunks, strict=True)
+    return np.concatenate(nll), np.concatenate(top1)
+
+
 def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token negative log-likelihood and argmax, teacher-forced through the prefill graph."""
-    runner = art.tlm
-    window = art.manifest.context_length
-    chunk = art.manifest.prefill_chunk
-    nll, top1 = [], []
-    for start in range(0, len(tokens) - 1, window):
-        seq = tokens[start : start + window + 1]
-        runner.rewind(0)
-        for c in range(0, len(seq) - 1, chunk):
-            inputs = seq[c : min(c + chunk, len(seq) - 1)]
-            logits = runner.forward("prefill", inputs).astype(np.float64)
-            logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-            targets = seq[c + 1 : c + 1 + len(inputs)]
-            nll.append(logz - logits[np.arange(len(inputs)), targets])
-            top1.append(logits.argmax(-1))
-    return np.concatenate(nll), np.concatenate(top1)
+    runner, last = art.tlm, None
+
+    def chunk(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal last
+        if w != last:
+            runner.rewind(0)
+            last = w
+        return judge(runner.forward("prefill", inputs), targets)
+
+    return scored(chunk(*c) for c in windows(tokens, art.manifest.context_length, art.manifest.prefill_chunk))
 
 
 def genai_score(model, tokens: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """`score` for an onnxruntime-genai model: the same windows and chunks, its own KV cache."""
     import onnxruntime_genai as og
 
-    nll, top1 = [], []
-    for start in range(0, len(tokens) - 1, window):
-        seq = tokens[start : start + window + 1]
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=window + 1, do_sample=False)
-        gen = og.Generator(model, params)
-        for c in range(0, len(seq) - 1, chunk):
-            inputs = seq[c : min(c + chunk, len(seq) - 1)]
-            gen.append_tokens(inputs.tolist())
-            logits = gen.get_output("logits")[0, -len(inputs):].astype(np.float64)
-            logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-            targets = seq[c + 1 : c + 1 + len(inputs)]
-            nll.append(logz - logits[np.arange(len(inputs)), targets])
-            top1.append(logits.argmax(-1))
-    return np.concatenate(nll), np.concatenate(top1)
+    gen, last = None, None
+
+    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal gen, last
+        if w != last:
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=window + 1, do_sample=False)
+            gen, last = og.Generator(model, params), w
+        gen.append_tokens(inputs.tolist())
+        return judge(gen.get_output("logits")[0, -len(inputs):], targets)
+
+    return scored(one(*c) for c in windows(tokens, window, chunk))
+
+
+def llama_score(path: Path, tokens: np.ndarray, window: int, chunk: int, threads: int = 2
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """`score` for a llama.cpp model file: the same windows and chunks, its own KV cache."""
+    from benchmarks.vs_llamacpp import _llama_cpp
+
+    llm = _llama_cpp().Llama(str(path), n_ctx=window, n_batch=chunk, logits_all=True, n_threads=threads,
+                             n_threads_batch=threads, verbose=False)
+    last = None
+
+    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal last
+        if w != last:
+            llm.reset()
+            last = w
+        llm.eval(inputs.tolist())
+        return judge(np.asarray(llm.scores[llm.n_tokens - len(inputs) : llm.n_tokens]), targets)
+
+    return scored(one(*c) for c in windows(tokens, window, chunk))
 
 
 def answers(art, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -120,16 +174,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# MXFP6 accuracy: {meta['recipe']} ({meta['tokens']} held-out tokens, {meta['text']})", "",
         "| weights | lowering | block exponent | perplexity | vs fp32 | top-1 agreement with fp32 "
-        "| answers as fp32 | weight bytes vs fp16 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| with its own float32 | answers as fp32 | weight bytes vs fp16 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | |")
+            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | | |")
             continue
         ratio = {None: "2.000 (fp32)", "-": "-"}.get(r["size_vs_fp16"]) or f"{r['size_vs_fp16']:.3f}"
+        own = "-" if r.get("top1_own") is None else f"{100 * r['top1_own']:.2f}%"
         lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['scale'] or '-'} | {r['perplexity']:.4f} | "
-                     f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {r['same_answers']} | {ratio} |")
+                     f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {own} | {r['same_answers']} "
+                     f"| {ratio} |")
     verdict = {True: 'PASS', False: 'FAIL', None: 'not run (its config was not chosen)'}[meta['gate_pass']]
     lines += ["", f"Gate: {meta['gate']}: **{verdict}**.", "",
               f"Answers: greedy, {meta['answer_tokens']} new tokens, to the recipe's {len(meta['answers'])} prompts; "
@@ -143,12 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score")
-    parser.add_argument("--text", type=Path, help="held-out text file (default: held-out stdlib modules)")
+    parser.add_argument("--text", type=Path, help="held-out text file, or pydoc:topics (the Python reference's "
+                        "topic pages CPython ships; default: held-out stdlib modules)")
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--configs", help=f"comma-separated subset of {list(CONFIGS)} (fp32 always runs first)")
     parser.add_argument("--genai", default="", help="also onnxruntime-genai builds of the recipe's GGUF (int4, ...; "
                         "the bench extra): perplexity and top-1 agreement only")
+    parser.add_argument("--llamacpp", default="", help="also llama.cpp formats made from the recipe's GGUF (F32, "
+                        "Q6_K, Q8_0, ...; the peers extra): perplexity, top-1 agreement with our fp32 and with its F32")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
                         help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
@@ -183,20 +242,34 @@ def main(argv: list[str] | None = None) -> int:
                      "format": fmt, "perplexity": ppl, "same_answers": same,
                      "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
                      "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
+        rows[-1]["top1_own"] = rows[-1]["top1_agreement"]
         agree = rows[-1]["top1_agreement"]
         print(f"{name:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
-    for precision in filter(None, args.genai.split(",")):
-        from benchmarks.vs_llamacpp import Genai
-        from export.gguf_checkpoint import gguf_file
+    families = [(f"onnxruntime-genai {p}", "genai", p, "fp32") for p in filter(None, args.genai.split(","))]
+    llama = sorted(filter(None, args.llamacpp.split(",")), key=lambda f: f != "F32")  # its own reference first
+    families += [(f"llama.cpp {f}", "llama.cpp", f, "F32") for f in llama]
+    own_top1: dict[str, np.ndarray] = {}  # each peer's own float32 argmax
+    for label, system, precision, reference in families:
+        source = gguf_file(recipe.tlm.model)
+        if system == "genai":
+            from benchmarks.vs_llamacpp import Genai
 
-        model = Genai(gguf_file(recipe.tlm.model), precision, threads=2).model
-        nll, top1 = genai_score(model, tokens, recipe.context_length, recipe.prefill_chunk)
+            nll, top1 = genai_score(Genai(source, precision, threads=2).model, tokens, recipe.context_length,
+                                    recipe.prefill_chunk)
+        else:
+            from benchmarks.vs_llamacpp import llama_file
+
+            nll, top1 = llama_score(llama_file(source, precision), tokens, recipe.context_length, recipe.prefill_chunk)
+        if precision == reference:
+            own_top1[system] = top1
         ppl = float(np.exp(nll.mean()))
-        rows.append({"name": f"onnxruntime-genai {precision}", "lowering": "genai", "scale": None, "format": precision,
-                     "perplexity": ppl, "same_answers": "-", "ppl_ratio": ppl / base_ppl,
-                     "top1_agreement": float((top1 == base_top1).mean()), "size_vs_fp16": "-"})
-        print(f"genai {precision:20s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  "
-              f"top-1 agreement {rows[-1]['top1_agreement']:.4f}")
+        own = float((top1 == own_top1[system]).mean()) if system in own_top1 else None
+        agree = float((top1 == base_top1).mean())
+        rows.append({"name": label, "lowering": system, "scale": None, "format": precision, "perplexity": ppl,
+                     "same_answers": "-", "ppl_ratio": ppl / base_ppl, "top1_agreement": agree,
+                     "top1_own": own, "size_vs_fp16": "-"})
+        print(f"{label:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}"
+              + (f" (with its own {reference}: {own:.4f})" if own is not None else ""))
     rows += [{"name": n.split()[0], "unavailable": why} for n, why in NOT_AVAILABLE.items()]
     gated = recipe.tlm.mx_format or "fp6_e2m3"
     gate_row = next((r for r in rows if r.get("format") == gated and r["lowering"] == "exact"

@@ -4,6 +4,9 @@ check, outputs, missing weights."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from benchmarks import report
 
@@ -174,3 +177,14 @@ def test_bandwidth_probe_refuses_an_empty_probe():
 
     with pytest.raises(ValueError, match="gib=0"):
         read_bandwidth_gbs(0)
+
+
+def test_the_python_docs_are_a_held_out_text_without_a_file():
+    from pydoc_data.topics import topics
+
+    from benchmarks.accuracy import PYTHON_DOCS, held_out_texts
+
+    (text,) = held_out_texts(Path(PYTHON_DOCS))
+    assert text.startswith(next(iter(topics.values()))) and len(text) > 100_000
+    with pytest.raises(FileNotFoundError):
+        held_out_texts(Path("pydoc-topics-typo"))

@@ -16,7 +16,9 @@
 // value terms p * v as one float32 product rounded to 2^-26 of the row's largest |v| (int32 lanes, 8 per
 // instruction, moved into int64 every 16 keys): float32's own precision, at a third of the instructions
 // of int64 terms.
-// exp is one fixed polynomial (the same operations on every path), not the C library's.
+// exp is one fixed polynomial (the same operations on every path), not the C library's. A score's dot
+// product runs in 16 lanes (lane l sums elements i = l mod 16 by fma; then lanes l and l + 8 are added and
+// the 8 sums reduced as lane_sum), one 512-bit register's order, kept by AVX2 in two registers.
 
 #include <algorithm>
 #include <cmath>
@@ -61,11 +63,18 @@ struct Problem {
   }
 };
 
-// Lane l accumulates elements i = l mod 8 by fma, then lane_sum: the vector path's order.
+// 16 lanes of fma sums (lane l: elements i = l mod 16 from `from` on) reduced to one float: lanes l and
+// l + 8 added, then lane_sum.
+float finish_dot(float lanes[16], const float* x, const float* y, int64_t from, int64_t d) {
+  for (int64_t i = from; i < d; ++i) lanes[i % 16] = std::fma(x[i], y[i], lanes[i % 16]);
+  float half[8];
+  for (int l = 0; l < 8; ++l) half[l] = lanes[l] + lanes[l + 8];
+  return lane_sum(half);
+}
+
 float dot_scalar(const float* x, const float* y, int64_t d) {
-  float lanes[8] = {};
-  for (int64_t i = 0; i < d; ++i) lanes[i % 8] = std::fma(x[i], y[i], lanes[i % 8]);
-  return lane_sum(lanes);
+  float lanes[16] = {};
+  return finish_dot(lanes, x, y, 0, d);
 }
 
 // The largest |v[i]| (a max: the same in any order) and whether any v[i] is Inf or NaN.
@@ -145,14 +154,31 @@ void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part
 }
 
 #ifdef MXSPD_X86
+// finish_dot's additions without a tail, in registers: lanes l + (l + 8), then lane_sum's tree.
+__attribute__((target("avx2,fma"))) inline float reduce16(__m256 lo, __m256 hi) {
+  const __m256 h = _mm256_add_ps(lo, hi);
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // t0..t3
+  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));                                  // t0 + t2, t1 + t3
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+// The 16 lanes as two registers: elements i with i mod 16 < 8 in acc[0], the others in acc[1].
 __attribute__((target("avx2,fma"))) inline float dot_avx2(const float* x, const float* y, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (; i < d; ++i) lanes[i % 8] = std::fma(x[i], y[i], lanes[i % 8]);
-  return lane_sum(lanes);
+  for (; i + 16 <= d; i += 16) {
+    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc[0]);
+    acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8), acc[1]);
+  }
+  if (i == d) return reduce16(acc[0], acc[1]);
+  if (i + 8 <= d) {
+    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc[0]);
+    i += 8;
+  }
+  alignas(32) float lanes[16];
+  _mm256_store_ps(lanes, acc[0]);
+  _mm256_store_ps(lanes + 8, acc[1]);
+  return finish_dot(lanes, x, y, i, d);
 }
 
 __attribute__((target("avx2,fma"))) inline void scan_avx2(const float* v, int64_t d, float* largest, bool* bad) {
@@ -212,17 +238,29 @@ __attribute__((target("avx2,fma"))) void scan_values_avx2(const Visible& v, floa
 // otherwise wait on the previous fma's latency).
 __attribute__((target("avx2,fma"))) inline void dot4_avx2(const float* x, const float* const y[4], int64_t d,
                                                           float out[4]) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 acc[4][2];
+  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
+  for (; i + 16 <= d; i += 16) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 xi = _mm256_loadu_ps(x + i + 8 * half);
+      for (int k = 0; k < 4; ++k) acc[k][half] = _mm256_fmadd_ps(xi, _mm256_loadu_ps(y[k] + i + 8 * half), acc[k][half]);
+    }
+  }
+  if (i + 8 <= d) {
     const __m256 xi = _mm256_loadu_ps(x + i);
-    for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(xi, _mm256_loadu_ps(y[k] + i), acc[k]);
+    for (int k = 0; k < 4; ++k) acc[k][0] = _mm256_fmadd_ps(xi, _mm256_loadu_ps(y[k] + i), acc[k][0]);
+    i += 8;
   }
   for (int k = 0; k < 4; ++k) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[k]);
-    for (int64_t j = i; j < d; ++j) lanes[j % 8] = std::fma(x[j], y[k][j], lanes[j % 8]);
-    out[k] = lane_sum(lanes);
+    if (i == d) {
+      out[k] = reduce16(acc[k][0], acc[k][1]);
+      continue;
+    }
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, acc[k][0]);
+    _mm256_store_ps(lanes + 8, acc[k][1]);
+    out[k] = finish_dot(lanes, x, y[k], i, d);
   }
 }
 
@@ -273,10 +311,128 @@ __attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float
   }
   flush(part, num, v.p.d);
 }
+
+// Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
+// for the row `kAhead` keys on while working on this one.
+constexpr size_t kAhead = 8;
+inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+
+// ---- AVX-512: the same per-lane operations, 16 lanes at a time (the dot product's 16 lanes in one
+// register; the values' scan, exp and sums elementwise, so their width cannot change a bit).
+__attribute__((target(MXSPD_AVX512))) void scan_values_avx512(const Visible& v, float* largest, bool* bad) {
+  if (v.p.d % 16) return scan_values_avx2(v, largest, bad);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 nonfinite = 0;
+  for (size_t n = 0; n < v.n; ++n) {
+    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
+    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
+    for (int64_t i = 0; i < v.p.d; i += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+      nonfinite |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // Inf, or NaN (unordered)
+      top = _mm512_max_ps(top, a);
+    }
+  }
+  *largest = std::max(*largest, _mm512_reduce_max_ps(top));
+  *bad = *bad || nonfinite != 0;
+}
+
+// Four keys' dot products at once, each in one 16-lane register (finish_dot's order).
+__attribute__((target(MXSPD_AVX512))) inline void dot4_avx512(const float* x, const float* const y[4], int64_t d,
+                                                              float out[4]) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 xi = _mm512_loadu_ps(x + i);
+    for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(xi, _mm512_loadu_ps(y[k] + i), acc[k]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    if (i == d) {
+      out[k] = reduce16(_mm512_castps512_ps256(acc[k]), _mm512_extractf32x8_ps(acc[k], 1));
+      continue;
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[k]);
+    out[k] = finish_dot(lanes, x, y[k], i, d);
+  }
+}
+
+__attribute__((target(MXSPD_AVX512))) void scores_avx512(const Visible& v, const float* q, float* score) {
+  size_t n = 0;
+  for (; n + 4 <= v.n; n += 4) {
+    const float* keys[4];
+    for (int k = 0; k < 4; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + 4, v.n); ++k)
+      prefetch_row(v.p.key(v.batch, v.head, v.keys[k]), v.p.d);
+    dot4_avx512(q, keys, v.p.d, score + n);
+    for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
+  }
+  for (; n < v.n; ++n)
+    score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
+}
+
+__attribute__((target(MXSPD_AVX512))) void probabilities_avx512(const float* score, size_t n, float top,
+                                                                float* prob) {
+  const __m512 floor = _mm512_set1_ps(kExpFloor), log2e = _mm512_set1_ps(kLog2e), round = _mm512_set1_ps(kRound);
+  const __m512 hi = _mm512_set1_ps(-kLn2Hi), lo = _mm512_set1_ps(-kLn2Lo), one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_set1_ps(top);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(score + i), t);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
+    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, log2e, round), round);
+    __m512 r = _mm512_fmadd_ps(k, hi, x);
+    r = _mm512_fmadd_ps(k, lo, r);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[j]));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), one);
+    const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(_mm512_cvtps_epi32(k), 23));
+    _mm512_storeu_ps(prob + i, _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(scaled)));
+  }
+  probabilities_avx2(score + i, n - i, top, prob + i);
+}
+
+// Head sizes 64 and 128 (D16 = 4 or 8 registers): the int32 partial sums stay in registers across keys.
+template <int D16>
+__attribute__((target(MXSPD_AVX512))) void sums_avx512(const Visible& v, const float* prob, float scale,
+                                                       int64_t* num, int64_t* den) {
+  // The denominator's integer terms, 8 at a time (fixed(), lane by lane; integer sums in any order).
+  const __m512d scale40 = _mm512_set1_pd(kDenominatorScale), magic = _mm512_set1_pd(kMagic);
+  __m512i terms = _mm512_setzero_si512();
+  size_t n = 0;
+  for (; n + 8 <= v.n; n += 8) {
+    const __m512d t = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(prob + n)), scale40), magic);
+    terms = _mm512_add_epi64(terms, _mm512_sub_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(kMagicBits)));
+  }
+  *den += _mm512_reduce_add_epi64(terms);
+  for (; n < v.n; ++n) *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+  __m512i acc[D16];
+  for (int j = 0; j < D16; ++j) acc[j] = _mm512_setzero_si512();
+  for (size_t n = 0; n < v.n; ++n) {
+    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
+    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
+    const __m512 f = _mm512_set1_ps(prob[n] * scale);
+    for (int j = 0; j < D16; ++j)
+      acc[j] = _mm512_add_epi32(acc[j], _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), f)));
+    if ((n + 1) % kFlush == 0 || n + 1 == v.n) {  // into the int64 sums, widened 8 lanes at a time
+      for (int j = 0; j < D16; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          int64_t* sum = num + 16 * j + 8 * half;
+          const __m256i lanes = _mm512_extracti64x4_epi64(acc[j], half);
+          _mm512_storeu_si512(sum, _mm512_add_epi64(_mm512_loadu_si512(sum), _mm512_cvtepi32_epi64(lanes)));
+        }
+        acc[j] = _mm512_setzero_si512();
+      }
+    }
+  }
+}
 #endif
 
 void scan_values(const Visible& v, float* largest, bool* bad) {
 #ifdef MXSPD_X86
+  if (kHasAvx512) return scan_values_avx512(v, largest, bad);
   if (kHasAvx2) return scan_values_avx2(v, largest, bad);
 #endif
   scan_values_scalar(v, largest, bad);
@@ -284,16 +440,17 @@ void scan_values(const Visible& v, float* largest, bool* bad) {
 
 void scores(const Visible& v, const float* q, float* score) {
 #ifdef MXSPD_X86
+  if (kHasAvx512) return scores_avx512(v, q, score);
   if (kHasAvx2) return scores_avx2(v, q, score);
 #endif
   scores_scalar(v, q, score);
 }
 
-// The indices j of the keys a row sees (mask[j] above kHidden), in order; returns how many.
-size_t visible_scalar(const float* mask, int64_t keys, int64_t* out) {
+// The indices first + j of the keys a row sees (mask[j] above kHidden), in order; returns how many.
+size_t visible_scalar(const float* mask, int64_t keys, int64_t* out, int64_t first = 0) {
   size_t n = 0;
   for (int64_t j = 0; j < keys; ++j)
-    if (mask[j] > kHidden) out[n++] = j;
+    if (mask[j] > kHidden) out[n++] = first + j;
   return n;
 }
 
@@ -306,14 +463,25 @@ __attribute__((target("avx2,fma"))) size_t visible_avx2(const float* mask, int64
     unsigned bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + j), hidden, _CMP_GT_OQ));
     for (; bits; bits &= bits - 1) out[n++] = j + __builtin_ctz(bits);
   }
-  for (; j < keys; ++j)
-    if (mask[j] > kHidden) out[n++] = j;
-  return n;
+  return n + visible_scalar(mask + j, keys - j, out + n, j);
+}
+#endif
+
+#ifdef MXSPD_X86
+__attribute__((target(MXSPD_AVX512))) size_t visible_avx512(const float* mask, int64_t keys, int64_t* out) {
+  const __m512 hidden = _mm512_set1_ps(kHidden);
+  size_t n = 0;
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16)
+    for (unsigned bits = _mm512_cmp_ps_mask(_mm512_loadu_ps(mask + j), hidden, _CMP_GT_OQ); bits; bits &= bits - 1)
+      out[n++] = j + __builtin_ctz(bits);
+  return n + visible_scalar(mask + j, keys - j, out + n, j);
 }
 #endif
 
 size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
 #ifdef MXSPD_X86
+  if (kHasAvx512) return visible_avx512(mask, keys, out);
   if (kHasAvx2) return visible_avx2(mask, keys, out);
 #endif
   return visible_scalar(mask, keys, out);
@@ -321,13 +489,74 @@ size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
 
 void probabilities(const float* score, size_t n, float top, float* prob) {
 #ifdef MXSPD_X86
+  if (kHasAvx512) return probabilities_avx512(score, n, top, prob);
   if (kHasAvx2) return probabilities_avx2(score, n, top, prob);
 #endif
   probabilities_scalar(score, n, top, prob);
 }
 
+// y = num / den * 2^shift, each rounded once to float (the product by 2^shift is exact in double).
+void normalise_scalar(const int64_t* num, int64_t den, int shift, float* y, int64_t d) {
+  for (int64_t i = 0; i < d; ++i)
+    y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), shift));
+}
+
+#ifdef MXSPD_X86
+__attribute__((target(MXSPD_AVX512))) void normalise_avx512(const int64_t* num, int64_t den, int shift, float* y,
+                                                            int64_t d) {
+  const __m512d divisor = _mm512_set1_pd(static_cast<double>(den)), power = _mm512_set1_pd(std::ldexp(1.0, shift));
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m512d q = _mm512_div_pd(_mm512_cvtepi64_pd(_mm512_loadu_si512(num + i)), divisor);
+    _mm256_storeu_ps(y + i, _mm512_cvtpd_ps(_mm512_mul_pd(q, power)));
+  }
+  normalise_scalar(num + i, den, shift, y + i, d - i);
+}
+#endif
+
+void normalise(const int64_t* num, int64_t den, int shift, float* y, int64_t d) {
+#ifdef MXSPD_X86
+  if (kHasAvx512) return normalise_avx512(num, den, shift, y, d);
+#endif
+  normalise_scalar(num, den, shift, y, d);
+}
+
+// The largest score (a max: the same in any order; NaN scores skipped) and whether any is NaN.
+float largest_score_scalar(const float* score, size_t n, bool* bad) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < n; ++i) {
+    top = std::max(top, score[i]);
+    *bad = *bad || std::isnan(score[i]);
+  }
+  return top;
+}
+
+#ifdef MXSPD_X86
+__attribute__((target(MXSPD_AVX512))) float largest_score_avx512(const float* score, size_t n, bool* bad) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 s = _mm512_loadu_ps(score + i);
+    nan |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+    top = _mm512_max_ps(s, top);  // a NaN s gives the second operand, top
+  }
+  *bad = *bad || nan != 0;
+  return std::max(_mm512_reduce_max_ps(top), largest_score_scalar(score + i, n - i, bad));
+}
+#endif
+
+float largest_score(const float* score, size_t n, bool* bad) {
+#ifdef MXSPD_X86
+  if (kHasAvx512) return largest_score_avx512(score, n, bad);
+#endif
+  return largest_score_scalar(score, n, bad);
+}
+
 void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
 #ifdef MXSPD_X86
+  if (kHasAvx512 && v.p.d == 64) return sums_avx512<4>(v, prob, scale, num, den);
+  if (kHasAvx512 && v.p.d == 128) return sums_avx512<8>(v, prob, scale, num, den);
   if (kHasAvx2) return sums_avx2(v, prob, scale, part, num, den);
 #endif
   sums_scalar(v, prob, scale, part, num, den);
@@ -360,12 +589,8 @@ void task(void* user, size_t index) {
     const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
     float* y = p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
     scores(v, q, score.data());
-    float top = -std::numeric_limits<float>::infinity();
     bool bad = values_bad;
-    for (float s : score) {
-      top = std::max(top, s);
-      bad = bad || std::isnan(s);
-    }
+    const float top = largest_score(score.data(), score.size(), &bad);
     bad = bad || (!visible.empty() && !std::isfinite(top));
     if (visible.empty() || largest == 0.0f || bad) {
       std::fill(y, y + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
@@ -379,9 +604,7 @@ void task(void* user, size_t index) {
     int64_t den = 0;
     probabilities(score.data(), visible.size(), top, prob.data());
     sums(v, prob.data(), std::ldexp(1.0f, kValueFraction - e), part.data(), num.data(), &den);
-    for (int64_t i = 0; i < p.d; ++i)
-      y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den),
-                                           e - kValueFraction + kFraction));
+    normalise(num.data(), den, e - kValueFraction + kFraction, y, p.d);
   }
 }
 

@@ -320,7 +320,8 @@ inline void prefetch_row(const float* row, int64_t d) {
 }
 
 // ---- AVX-512: the same per-lane operations, 16 lanes at a time (the dot product's 16 lanes in one
-// register; the values' scan, exp and sums elementwise, so their width cannot change a bit).
+// register; the values' scan and sums elementwise, so their width cannot change a bit). exp stays on
+// the AVX2 path: it is a small part of a key's work.
 __attribute__((target(MXSPD_AVX512))) void scan_values_avx512(const Visible& v, float* largest, bool* bad) {
   if (v.p.d % 16) return scan_values_avx2(v, largest, bad);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
@@ -371,27 +372,6 @@ __attribute__((target(MXSPD_AVX512))) void scores_avx512(const Visible& v, const
   }
   for (; n < v.n; ++n)
     score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
-}
-
-__attribute__((target(MXSPD_AVX512))) void probabilities_avx512(const float* score, size_t n, float top,
-                                                                float* prob) {
-  const __m512 floor = _mm512_set1_ps(kExpFloor), log2e = _mm512_set1_ps(kLog2e), round = _mm512_set1_ps(kRound);
-  const __m512 hi = _mm512_set1_ps(-kLn2Hi), lo = _mm512_set1_ps(-kLn2Lo), one = _mm512_set1_ps(1.0f);
-  const __m512 t = _mm512_set1_ps(top);
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(score + i), t);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
-    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, log2e, round), round);
-    __m512 r = _mm512_fmadd_ps(k, hi, x);
-    r = _mm512_fmadd_ps(k, lo, r);
-    __m512 p = _mm512_set1_ps(kExpPoly[0]);
-    for (int j = 1; j < 6; ++j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[j]));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), one);
-    const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(_mm512_cvtps_epi32(k), 23));
-    _mm512_storeu_ps(prob + i, _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(scaled)));
-  }
-  probabilities_avx2(score + i, n - i, top, prob + i);
 }
 
 // Head sizes 64 and 128 (D16 = 4 or 8 registers): the int32 partial sums stay in registers across keys.
@@ -489,7 +469,6 @@ size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
 
 void probabilities(const float* score, size_t n, float top, float* prob) {
 #ifdef MXSPD_X86
-  if (kHasAvx512) return probabilities_avx512(score, n, top, prob);
   if (kHasAvx2) return probabilities_avx2(score, n, top, prob);
 #endif
   probabilities_scalar(score, n, top, prob);

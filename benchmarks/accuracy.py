@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--configs", help=f"comma-separated subset of {list(CONFIGS)} (fp32 always runs first)")
     parser.add_argument("--genai", default="", help="also onnxruntime-genai builds of the recipe's GGUF (int4, ...; "
-                        "the bench extra): perplexity and top-1 agreement only")
+                        "the bench extra): perplexity and top-1 agreement, also with its own fp32")
     parser.add_argument("--llamacpp", default="", help="also llama.cpp formats made from the recipe's GGUF (F32, "
                         "Q6_K, Q8_0, ...; the peers extra): perplexity, top-1 agreement with our fp32 and with its F32")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[-1]["top1_own"] = rows[-1]["top1_agreement"]
         agree = rows[-1]["top1_agreement"]
         print(f"{name:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x)  top-1 agreement {agree:.4f}")
-    families = [(f"onnxruntime-genai {p}", "genai", p, "fp32") for p in filter(None, args.genai.split(","))]
+    genai = sorted(filter(None, args.genai.split(",")), key=lambda p: p != "fp32")  # its own reference first
+    families = [(f"onnxruntime-genai {p}", "genai", p, "fp32") for p in genai]
     llama = sorted(filter(None, args.llamacpp.split(",")), key=lambda f: f != "F32")  # its own reference first
     families += [(f"llama.cpp {f}", "llama.cpp", f, "F32") for f in llama]
     own_top1: dict[str, np.ndarray] = {}  # each peer's own float32 argmax

@@ -13,12 +13,14 @@
 // softmax denominator and the weighted values) are exact: each term is rounded once to a fixed-point
 // integer and the integers are added, so the order of keys cannot matter. The same set of visible keys
 // therefore gives the same bits, wherever they are stored. Denominator terms are p * 2^40 (int64);
-// value terms p * v as one float32 product rounded to 2^-26 of the row's largest |v| (int32 lanes, 8 per
-// instruction, moved into int64 every 16 keys): float32's own precision, at a third of the instructions
-// of int64 terms.
-// exp is one fixed polynomial (the same operations on every path), not the C library's. A score's dot
-// product runs in 16 lanes (lane l sums elements i = l mod 16 by fma; then lanes l and l + 8 are added and
-// the 8 sums reduced as lane_sum), one 512-bit register's order, kept by AVX2 in two registers.
+// value terms p * v as one float32 product rounded to 2^-26 of the row's largest |v| (int32 lanes, 8 or
+// 16 per instruction, moved into int64 every 16 keys): float32's own precision, at a third of the
+// instructions of int64 terms. A score's dot product runs in 16 lanes (lane l sums elements
+// i = l mod 16 by fma; then lanes l and l + 8 are added and the 8 sums reduced as lane_sum), one
+// 512-bit register's order, kept by AVX2 in two registers.
+// exp is one fixed polynomial (the same operations on every path), not the C library's. All of this
+// needs the build's -ffp-contract=off: a fused multiply-add where the source has a product and a sum
+// would round once where the scalar path rounds twice.
 
 #include <algorithm>
 #include <cmath>

@@ -290,4 +290,4 @@ def test_a_useless_draft_model_falls_back_to_plain_decoding(checkpoints, tmp_pat
     s = sd.metrics.speculative
     assert sd.token_ids == ar.token_ids
     assert s["acceptance_rate"] < 0.2
-    assert s["plain_decode_steps"] > 3 * s["rounds"], s
+    assert 0 < s["rounds"] and s["plain_decode_steps"] > 3 * s["rounds"], s  # it drafted, then stopped

@@ -126,18 +126,25 @@ def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
 
 def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loops on any CPU, and
-    MXSPD_KERNELS_AVX2=1 the AVX2 ones on an AVX-512 CPU: head sizes 20, 40, 64 and 128."""
+    MXSPD_KERNELS_AVX2=1 the AVX2 ones on an AVX-512 CPU (without AVX-512 VNNI the first two runs take
+    the same path): head sizes 20, 40, 48, 64 and 128, NaN and Inf inputs, a row that sees nothing."""
     rng = np.random.default_rng(3)
     inputs = attention_inputs(rng, d=20, c=30, t=5)  # t >= 4: query heads grouped per KV head
     wide = attention_inputs(rng, d=64, c=700, t=2, visible=0.9)  # sums in registers, moved to int64
     large = attention_inputs(rng, d=128, c=90, t=9)  # AVX-512: sums in 8 registers
     odd = attention_inputs(rng, d=40, c=33, t=3)  # a dot product's tail of 8 elements, then none
+    edge = attention_inputs(rng, d=48, c=20, t=5)  # AVX-512 scan without its sums; NaN, Inf, nothing seen
+    edge[0][0, 1, 2, 5] = np.nan  # a NaN score: query head 1, row 2
+    edge[4][0, 1, 3, 7] = np.inf  # an Inf value: KV head 1, new row 3, for the rows that see it
+    edge[5][0, 0, 4] = MIN  # row 4 sees no key
     w, a = rng.standard_normal((70, 90)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", *inputs, *wide, *large, *odd, w=w, a=a)
+    np.savez(tmp_path / "in.npz", *inputs, *wide, *large, *odd, *edge, w=w, a=a)
     code = ("import sys, numpy as np; from tests.test_invariant_kernels import *;"
-            "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(24)];"
+            "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(30)];"
             "y = session(row_matmul_model(z['w'], None)).run(None, {'a': z['a']})[0];"
-            "sys.stdout.buffer.write(b''.join(run_attention(i[j : j + 6]).tobytes() for j in range(0, 24, 6))"
+            "sys.stdout.buffer.write(b''.join(run_attention(i[j : j + 6]).tobytes() for j in range(0, 30, 6))"
             " + y.tobytes())")
     vector, avx2, portable = every_path(code, str(tmp_path / "in.npz"))
     assert len(vector) > 0 and vector == avx2 == portable
+    y = np.frombuffer(vector, np.float32)
+    assert np.isnan(y).any() and (y == 0).any() and np.isfinite(y).mean() > 0.9  # the edge cases took effect

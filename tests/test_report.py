@@ -171,8 +171,6 @@ def test_weight_bytes_per_call_counts_every_matrix_weight_once(checkpoints, tmp_
 
 
 def test_bandwidth_probe_refuses_an_empty_probe():
-    import pytest
-
     from benchmarks.bandwidth import read_bandwidth_gbs
 
     with pytest.raises(ValueError, match="gib=0"):

@@ -186,3 +186,12 @@ def test_the_python_docs_are_a_held_out_text_without_a_file():
     assert text.startswith(next(iter(topics.values()))) and len(text) > 100_000
     with pytest.raises(FileNotFoundError):
         held_out_texts(Path("pydoc-topics-typo"))
+
+
+def test_floor_benchmark_reports_decode_against_the_bandwidth_floor(artifact_dir, capsys):
+    from benchmarks import floor
+
+    assert floor.main([str(artifact_dir), "--prompt", "ab", "--new-tokens", "4", "--gib", "0.05"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 4 and out["decode_tokens_per_s"] > 0 and out["weights_read_per_token_MB"] > 0
+    assert out["fraction_of_floor"] == pytest.approx(out["decode_tokens_per_s"] / out["floor_tokens_per_s"], rel=0.02)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -26,6 +27,14 @@ from common.manifest import read_manifest
 
 _PRODUCT_WEIGHTS = {"MatMul": (1,), "FusedMatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2), "MXMatMul": (1, 2),
                     "RowMatMul": (1,)}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (benchmarks name the CPU they ran on: this machine kind has two)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, allocations: int = 3) -> float:

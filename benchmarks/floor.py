@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import runtime
-from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.bandwidth import cpu_name, read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.memory import smaps_mib
-from benchmarks.vs_llamacpp import _cpu_name
 
 
 def measure(artifact: Path, prompt: str, new_tokens: int, gib: float) -> dict:
@@ -30,7 +29,7 @@ def measure(artifact: Path, prompt: str, new_tokens: int, gib: float) -> dict:
     weights = weight_bytes_per_call(artifact, "tlm")
     bandwidth = read_bandwidth_gbs(gib, repeats=3)
     floor = bandwidth * 1e9 / weights
-    return {"artifact": str(artifact), "cpu": _cpu_name(), "load_s": round(load_s, 2), "ttft_s": round(m.ttft_s, 3),
+    return {"artifact": str(artifact), "cpu": cpu_name(), "load_s": round(load_s, 2), "ttft_s": round(m.ttft_s, 3),
             "new_tokens": m.new_tokens, "decode_tokens_per_s": round(m.decode_tokens_per_s, 2),
             "pss_mib_after_load": round(loaded["pss"]), "pss_mib_after_generation": round(smaps_mib()["pss"]),
             "weights_read_per_token_MB": round(weights / 1e6, 3), "read_bandwidth_GB_per_s": round(bandwidth, 1),

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import runtime
-from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.bandwidth import cpu_name, read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import genai_model, time_genai, time_ours
 from benchmarks.memory import smaps_mib
 from benchmarks.mx_decode import ENGINES, LONG_ANSWER, engine_recipe
@@ -225,7 +225,7 @@ def main() -> None:
     gbs = read_bandwidth_gbs()
     ref = float(np.median(speed[f"llama.cpp:{REFERENCE}"])) if f"llama.cpp:{REFERENCE}" in speed else None
     report = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
-              "cpu": _cpu_name(), "recipe": recipe.name, "prompts": len(prompts),
+              "cpu": cpu_name(), "recipe": recipe.name, "prompts": len(prompts),
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": n,
               "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1), "systems": {}}
     for system in speed:
@@ -249,13 +249,6 @@ def main() -> None:
             else pss_of(system, prompt, args),
         }
     print(json.dumps(report, indent=2))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,30 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5, allocations: int = 3)
     return int(gib * 2**30 / 4 / 4096) * 4096 * 4 / best / 1e9
 
 
+def gpu_read_bandwidth_gbs(gib: float = 4.0, repeats: int = 10) -> float:
+    """GB/s at which the GPU streams through a float32 tensor in its memory (torch.sum, timed with CUDA
+    events, best of `repeats`): the GPU target's decode floor is the weights read per token over this."""
+    import torch
+
+    data = torch.rand(int(gib * 2**30 / 4), device="cuda")
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        data.sum()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return data.numel() * 4 / best / 1e9
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
 def weight_bytes_per_call(artifact_dir: Path, model: str, graph: str = graph_io.DECODE) -> int:
     """Bytes of the weights the matrix products of one call of `graph` read."""
     entry = read_manifest(artifact_dir, verify=False).models[model]

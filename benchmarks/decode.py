@@ -43,11 +43,12 @@ def checkpoint(name: str, cfg: dict, seed: int) -> Path:
     return path
 
 
-def genai_model(ckpt: Path, precision: str = "fp32") -> Path:
-    out = ckpt.parent / f"{ckpt.name}-genai-{precision}"
+def genai_model(ckpt: Path, precision: str = "fp32", provider: str = "cpu") -> Path:
+    out = ckpt.parent / f"{ckpt.name}-genai-{precision}" if provider == "cpu" else \
+        ckpt.parent / f"{ckpt.name}-genai-{provider}-{precision}"
     if not (out / "genai_config.json").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out),
-                        "-p", precision, "-e", "cpu"], check=True, capture_output=True)
+                        "-p", precision, "-e", provider], check=True, capture_output=True)
     return out
 
 

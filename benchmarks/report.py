@@ -32,10 +32,11 @@ import numpy as np
 import onnxruntime as ort
 
 import runtime
-from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.bandwidth import gpu_name, gpu_read_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.variants import build_cached, variant
+from common.recipe import TARGETS
 from common.resources import DoesNotFitError
-from common.targets import PROVIDERS
+from common.targets import DEVICE, PROVIDERS
 from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
 from runtime.request import check_draft_length
@@ -132,7 +133,9 @@ def metadata(recipe, arts: dict, args) -> dict:
         "k": recipe.k, "context_length": recipe.context_length, "max_new_tokens": args.max_new_tokens
         or recipe.max_new_tokens, "prompts": len(recipe.prompts), "warmup": args.warmup, "repeats": args.repeats,
         "sampling": "greedy", "onnxruntime": ort.__version__, "provider": PROVIDERS[recipe.target][0],
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "gpu": gpu_name() if DEVICE[recipe.target] == "cuda" else None,
+                    "cores": len(os.sched_getaffinity(0)),
                     "system": platform.platform(), "python": platform.python_version()},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
@@ -145,7 +148,8 @@ def markdown(report: dict) -> str:
     lines = [f"# {meta['recipe']}: tokens/s report", "",
              f"TLM `{meta['tlm']}`, {spd}, K = {meta['k']}, {meta['prompts']} prompts x "
              f"{meta['repeats']} repeats after {meta['warmup']} warm-up, greedy, up to {meta['max_new_tokens']} "
-             f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), {meta['machine']['cores']} cores.",
+             f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), "
+             f"{meta['machine']['gpu'] or str(meta['machine']['cores']) + ' cores'}.",
              "",
              "| configuration | decode tok/s | speedup | e2e tok/s | TTFT ms | acceptance | mean accepted | PSS MiB |",
              "|---|---|---|---|---|---|---|---|"]
@@ -153,7 +157,7 @@ def markdown(report: dict) -> str:
         acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
-                     f"{r['ttft_ms']:.1f} | {acc} | {mal} | {r['pss_mib']:.0f} |")
+                     f"{r['ttft_ms']:.1f} | {acc} | {mal} | {'-' if r['pss_mib'] is None else round(r['pss_mib'])} |")
     lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM call (scoring "
               "k+1 tokens, or a plain step when the policy does not draft), k DLM steps and host work; a drafting "
               "round yields `mean accepted` tokens where autoregressive decoding spends one TLM step per token.", "",
@@ -167,7 +171,7 @@ def markdown(report: dict) -> str:
                      f"{dlm} | {s['host_ms_per_round']:.2f} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
               f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
-              "(a 2-thread sum over 1 GiB, benchmarks/bandwidth.py).", "",
+              f"({meta['machine']['gpu'] or 'the CPU'}, benchmarks/bandwidth.py).", "",
               "| configuration | TLM calls per token | MB read per token | floor tok/s | measured / floor |",
               "|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -211,12 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tlm", help="local checkpoint folder that replaces the recipe's target model")
     parser.add_argument("--dlm", help="local checkpoint folder that replaces the recipe's draft model")
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the read-bandwidth probe")
+    parser.add_argument("--target", choices=TARGETS, help="build and run for this target (default: the recipe's)")
     parser.add_argument("--draft-length", type=int, help="fix SpD's draft length (default: the timed policy's choice)")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
     for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
         if path and getattr(recipe, role) is not None:
             recipe = replace(recipe, **{role: replace(getattr(recipe, role), model=path)})
+    on_gpu = DEVICE[args.target or recipe.target] == "cuda"
+    recipe = replace(recipe, target=args.target or recipe.target)
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
     if not recipe.prompts or (recipe.dlm is None and recipe.speculation == "draft"):
@@ -256,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(arts, rows_of, list(recipe.prompts), args.max_new_tokens, args.warmup, args.repeats,
                    args.draft_length)
     rows = {name: summarize(r) for name, r in runs.items()}
-    memory = {k: memory_mib(d) for k, d in dirs.items()}
-    bandwidth = read_bandwidth_gbs(args.bandwidth_gib)
+    # a GPU run's host PSS says little; its floor is the GPU's memory bandwidth
+    memory = {k: {"pss_after_generate_mib": None, "weights_mib": (d / arts[k].manifest.models["tlm"].weights)
+                  .stat().st_size / 2**20} if on_gpu else memory_mib(d) for k, d in dirs.items()}
+    bandwidth = gpu_read_bandwidth_gbs(args.bandwidth_gib) if on_gpu else read_bandwidth_gbs(args.bandwidth_gib)
     models = ("tlm", "dlm") if recipe.dlm else ("tlm",)
     per_call = {(which, m): weight_bytes_per_call(d, m) / 1e6 if m in models else 0.0
                 for which, d in dirs.items() for m in ("tlm", "dlm")}

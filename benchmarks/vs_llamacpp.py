@@ -105,10 +105,10 @@ class LlamaCpp:
 class Genai:
     """One onnxruntime-genai build (benchmarks.decode's builder call and timing), same interface."""
 
-    def __init__(self, source: Path, precision: str, threads: int) -> None:
+    def __init__(self, source: Path, precision: str, threads: int, provider: str = "cpu") -> None:
         import onnxruntime_genai as og
 
-        self.path = genai_model(hf_copy(source), precision)
+        self.path = genai_model(hf_copy(source), precision, provider)
         config = og.Config(str(self.path))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)

@@ -191,3 +191,12 @@ def output_shapes(dims: ModelDims, batch: int, tokens: int) -> dict[str, tuple]:
         shapes[new_key(i)] = new
         shapes[new_value(i)] = new
     return shapes
+
+
+# The KV store graph, one per model beside its weights (`<role>/kv_store.onnx`): where the runtime
+# keeps the cache on a device, it commits rows with this graph instead of through host memory.
+# cache_out = cache with new[:, :, :, rows] written at slots (axis 3), written in place (the runtime
+# binds cache_out to the cache itself). cache: [2L, 1, H, C, D] (layer i's key at 2i, value at
+# 2i + 1); new: a call's new KV of all layers [2L, 1, H, T, D]; rows, slots: int64 [m].
+KV_STORE_FILE = "kv_store.onnx"
+KV_CACHE, KV_NEW, KV_ROWS, KV_SLOTS, KV_CACHE_OUT = "cache", "new", "rows", "slots", "cache_out"

@@ -5,11 +5,14 @@ it lives with the shared types."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 
 import onnxruntime as ort
@@ -28,6 +31,9 @@ OFFLINE_LEVEL = {
     "ort-cuda": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
 }
 
+# Where each target's tensors live (the runtime keeps the KV cache there) and which compute in float16.
+DEVICE = {"ort-cpu": "cpu", "ort-cuda": "cuda"}
+FLOAT16_TARGETS = ("ort-cuda",)
 
 # Targets whose compiled graphs carry ONNX Runtime's prepacked weights (CPU kernels' layouts).
 PREPACKED_TARGETS = ("ort-cpu",)
@@ -65,8 +71,37 @@ def check_prepacked(built_for: dict[str, str]) -> None:
         )
 
 
+def providers(target: str, cuda_graph: bool = False) -> list:
+    """The providers to open a target's sessions with; `cuda_graph`: replay each fixed-shape graph's
+    kernels as one CUDA graph (its inputs and outputs must stay bound at the same device addresses)."""
+    if target == "ort-cuda":
+        return [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"}), "CPUExecutionProvider"]
+    return list(PROVIDERS[target])
+
+
+def check_session(session: ort.InferenceSession, target: str) -> None:
+    """ONNX Runtime falls back to the CPU silently when the GPU provider cannot start (no GPU, no CUDA
+    libraries): refuse instead of running a GPU artifact's float16 graphs on the CPU."""
+    if session.get_providers()[0] != PROVIDERS[target][0]:
+        raise TargetUnavailableError(
+            f"target {target!r}: ONNX Runtime could not start {PROVIDERS[target][0]} (no GPU visible, or CUDA/cuDNN "
+            f"libraries missing; see ONNX Runtime's log above); this session got {session.get_providers()}"
+        )
+
+
 class TargetUnavailableError(RuntimeError):
     """The execution provider a target needs is not installed here."""
+
+
+_GPU_INSTALL = ("`pip uninstall -y onnxruntime && pip install --force-reinstall --no-deps 'onnxruntime-gpu>=1.31'`")
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def check_target(target: str) -> None:
@@ -75,11 +110,18 @@ def check_target(target: str) -> None:
     needed = PROVIDERS[target][0]
     available = ort.get_available_providers()
     if needed not in available:
+        both = _installed("onnxruntime") and _installed("onnxruntime-gpu")
         raise TargetUnavailableError(
             f"target {target!r} needs ONNX Runtime's {needed}, which this installation lacks "
-            f"(available: {available}). For ort-cuda install onnxruntime-gpu on a machine with "
-            "an NVIDIA GPU and CUDA; for this machine use target ort-cpu."
+            f"(available: {available}). "
+            + ("Both onnxruntime and onnxruntime-gpu are installed, and they share one `onnxruntime` module: "
+               f"{_GPU_INSTALL} (README, GPU target). " if both else
+               f"For ort-cuda, on a machine with an NVIDIA GPU: `pip install 'mxspd[cuda]'`, then {_GPU_INSTALL}; ")
+            + "for this machine use target ort-cpu."
         )
+    if target == "ort-cuda" and importlib.util.find_spec("nvidia") is not None and hasattr(ort, "preload_dlls"):
+        with contextlib.suppress(Exception):  # else the session's start names what is missing (check_session)
+            ort.preload_dlls()  # pip's CUDA and cuDNN wheels (the [cuda] extra) are not on the loader's path
 
 
 def session_options(threads: int | None = None, library: Path | None = None) -> ort.SessionOptions:

@@ -22,14 +22,23 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from common.graph_io import ModelDims
+from common.graph_io import KV_STORE_FILE, ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
 from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
-from common.targets import OFFLINE_LEVEL, PREPACKED_TARGETS, PROVIDERS, platform_signature, session_options
+from common.targets import (
+    FLOAT16_TARGETS,
+    OFFLINE_LEVEL,
+    PREPACKED_TARGETS,
+    PROVIDERS,
+    platform_signature,
+    session_options,
+)
 from compiler.costs import graph_costs_ms
+from compiler.float16 import KV_DTYPE, to_float16
 from compiler.invariance import check_invariant, inline_attention, make_invariant
+from compiler.kv_store import store_graph
 from compiler.layouts import fold_layouts, tensor_shapes
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
@@ -142,6 +151,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
             graph, lowered = _lower(export_dir, name, lowering, invariant, shared)
             path = _optimize(graph, target, work)
+            if target in FLOAT16_TARGETS:
+                to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
             if quant:
                 _check_lowered(optimised, name, lowering, lowered)
@@ -155,7 +166,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         with shared_file(Path(work) / "lowered.bin") as shared:
             paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
-    dims = ModelDims(**info["dims"])
+    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target in FLOAT16_TARGETS else {}))
+    onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target)
     if quant:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common.recipe import MX_FORMATS, MX_LOWERINGS, RecipeError, validate, with_mx_format
+from common.recipe import MX_FORMATS, MX_LOWERINGS, TARGETS, RecipeError, validate, with_mx_format
 from common.resources import DoesNotFitError
 from export.loader import ModelNotFoundError, is_available
 from recipes import DEFAULT_RECIPE, FALLBACK_RECIPE, get_recipe, recipe_names
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
     p.add_argument("--kv-slots", type=int, help="override the recipe's KV cache slots (shared by a server's "
                    "requests; default: the recipe's, else its context_length)")
+    p.add_argument("--target", choices=TARGETS, help="override the recipe's target (ort-cuda: float16 graphs for "
+                   "ONNX Runtime's CUDA provider; buildable without a GPU, run where one is)")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and whether their weights are here")
     p.add_argument("--force", action="store_true",
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mx_lowering:
             tlm = replace(tlm, mx_lowering=args.mx_lowering)
         slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots
-        recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots))
+        recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots, target=args.target or recipe.target))
         out = args.out or Path("artifacts") / recipe.name
         path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force)
     except (RecipeError, ModelNotFoundError, VocabularyMismatchError, DoesNotFitError, ValueError) as exc:

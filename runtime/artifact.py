@@ -98,9 +98,11 @@ def memory_needed(path: Path, manifest: Manifest) -> int:
     return total
 
 
-def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None) -> Artifact:
+def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None, device_cache: bool | None = None,
+                  cuda_graph: bool | None = None) -> Artifact:
     """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError,
-    TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime version)."""
+    TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime version, or a
+    GPU target without a usable GPU). `device_cache`, `cuda_graph`: see ModelRunner."""
     start = time.perf_counter()
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
@@ -115,7 +117,8 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     except Exception as exc:  # noqa: BLE001 - a missing or damaged tokenizer file, whatever the parser raises
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
-        role: ModelRunner(path, entry, manifest.capacity, manifest.context_length, manifest.target, threads)
+        role: ModelRunner(path, entry, manifest.capacity, manifest.context_length, manifest.target, threads,
+                          device_cache, cuda_graph)
         for role, entry in manifest.models.items()
     }
     _return_freed_heap()

@@ -12,11 +12,15 @@ exact because batch-invariant graphs give a row the same KV whatever call comput
 of sequences over one cache (runtime/forest.py) use the general pair underneath: `run_rows` (each
 row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
-fills a few small arrays in place instead of building feeds and copying outputs.
+fills a few small arrays in place instead of building feeds and copying outputs. On a GPU target
+the cache and every graph's buffers live on the device (runtime/device_kv.py): per call the token
+ids, positions and mask go in, the call's logits rows come out, and committing moves KV on the
+device; with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +29,8 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from common.targets import PROVIDERS, compiled_session_options, parked_pools
+from common.targets import DEVICE, check_session, compiled_session_options, parked_pools, providers
+from runtime.device_kv import DeviceKV, zeros
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -41,7 +46,22 @@ class _BoundGraph:
     position_ids: np.ndarray
     mask: np.ndarray
     logits: np.ndarray
-    new_kv: list[np.ndarray]  # new_key.0, new_value.0, new_key.1, ...
+    new_kv: list[np.ndarray]  # new_key.0, new_value.0, new_key.1, ... (host cache only)
+    on_device: dict[str, ort.OrtValue] | None = None  # device cache: the bound buffers, by input/output name
+    new_stack: ort.OrtValue | None = None  # device cache: new KV of all layers [2L, 1, H, T, D]
+
+    def upload(self) -> None:
+        """Copy the filled host inputs into their device buffers (same addresses: CUDA graphs replay)."""
+        if self.on_device is not None:
+            for name in (graph_io.INPUT_IDS, graph_io.POSITION_IDS, graph_io.ATTENTION_MASK):
+                self.on_device[name].update_inplace(getattr(self, _FIELDS[name]))
+
+    def download(self) -> np.ndarray:
+        return self.logits if self.on_device is None else self.on_device[graph_io.LOGITS].numpy()
+
+
+_FIELDS = {graph_io.INPUT_IDS: "input_ids", graph_io.POSITION_IDS: "position_ids",
+           graph_io.ATTENTION_MASK: "mask", graph_io.LOGITS: "logits"}
 
 
 def _bind(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
@@ -58,20 +78,34 @@ class ModelRunner:
         max_length: int | None = None,
         target: str = "ort-cpu",
         threads: int | None = None,
+        device_cache: bool | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         """`slots`: the KV cache's slots (the graphs' cache dimension); `max_length`: the longest
-        sequence in positions (default: `slots`), less when a server's requests share the slots."""
+        sequence in positions (default: `slots`), less when a server's requests share the slots.
+        `device_cache`: keep the cache in ONNX Runtime tensors on the target's device (default: on a
+        GPU target; tests force it on the CPU); `cuda_graph`: replay each graph as a CUDA graph (default: on a
+        GPU target, where it decodes 2.4-3.8x faster: docs/benchmarks.md, "GPU target")."""
         self.dims = entry.dims
         self.context = slots
         self.max_length = max_length or slots
+        self.target = target
         d = self.dims
+        on_gpu = DEVICE[target] == "cuda"
+        self._providers = providers(target, on_gpu if cuda_graph is None else cuda_graph)
+        self.kv: DeviceKV | None = None
+        if on_gpu if device_cache is None else device_cache:
+            store = Path(artifact_dir) / Path(entry.weights).parent / graph_io.KV_STORE_FILE
+            self.kv = DeviceKV(store, d, slots, DEVICE[target], providers(target),
+                               compiled_session_options(target, threads))
         kv_shape = (1, d.n_kv_heads, slots, d.head_dim)
-        self.cache = [np.zeros(kv_shape, dtype=np.float32) for _ in range(2 * d.n_layers)]
+        self.cache = [] if self.kv is not None else [np.zeros(kv_shape, d.kv_dtype) for _ in range(2 * d.n_layers)]
         self.length = 0
         self.history = np.zeros(slots, dtype=np.int64)  # the token in each committed slot
         self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
         self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
+        self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         with parked_pools():
             self.graphs = {
@@ -82,7 +116,8 @@ class ModelRunner:
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
-        session = ort.InferenceSession(str(path), so, providers=PROVIDERS[target])
+        session = ort.InferenceSession(str(path), so, providers=self._providers)
+        check_session(session, target)
         d, c = self.dims, self.context
         g = _BoundGraph(
             tokens=tokens,
@@ -92,8 +127,11 @@ class ModelRunner:
             position_ids=np.zeros((1, tokens), dtype=np.int64),
             mask=np.zeros((1, tokens, c + tokens), dtype=bool),
             logits=np.zeros((1, tokens, d.vocab_size), dtype=np.float32),
-            new_kv=[np.zeros((1, d.n_kv_heads, tokens, d.head_dim), np.float32) for _ in self.cache],
+            new_kv=[np.zeros((1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype) for _ in self.cache],
         )
+        if self.kv is not None:
+            self._bind_device(g)
+            return g
         _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)
         _bind(g.binding, graph_io.POSITION_IDS, g.position_ids)
         _bind(g.binding, graph_io.ATTENTION_MASK, g.mask)
@@ -104,6 +142,20 @@ class ModelRunner:
             _bind(g.binding, graph_io.new_key(i), g.new_kv[2 * i], output=True)
             _bind(g.binding, graph_io.new_value(i), g.new_kv[2 * i + 1], output=True)
         return g
+
+    def _bind_device(self, g: _BoundGraph) -> None:
+        """Every buffer on the device, bound once at a fixed address; the cache's layer slices as past KV."""
+        kv, device = self.kv, DEVICE[self.target]
+        g.on_device = {name: zeros(getattr(g, field).shape, getattr(g, field).dtype, device)
+                       for name, field in _FIELDS.items()}
+        for name, value in g.on_device.items():
+            (g.binding.bind_ortvalue_output if name == graph_io.LOGITS else g.binding.bind_ortvalue_input)(name, value)
+        n = self.dims.n_layers
+        kv.bind_layers(g.binding, [f(i) for i in range(n) for f in (graph_io.past_key, graph_io.past_value)],
+                       kv.cache, self.context)
+        g.new_stack = kv.new_buffer(g.tokens)
+        kv.bind_layers(g.binding, [f(i) for i in range(n) for f in (graph_io.new_key, graph_io.new_value)],
+                       g.new_stack, g.tokens, output=True)
 
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
@@ -147,15 +199,19 @@ class ModelRunner:
         g.mask[0, :n, c : c + n] = sees
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
+        t0 = time.perf_counter()
+        g.upload()
         g.session.run_with_iobinding(g.binding)
+        logits = g.download()
+        self.call_s += time.perf_counter() - t0
         self.calls += 1
         self._last = g
-        if check and not np.isfinite(g.logits[0, :n]).all():
+        if check and not np.isfinite(logits[0, :n]).all():
             raise NonFiniteLogitsError(
                 f"graph {graph!r} produced NaN/Inf logits at positions {positions.min()}..{positions.max()}: no "
                 "token can be chosen from them (damaged weights, or values overflowing the weight format)"
             )
-        return g.logits[0, :n]
+        return logits[0, :n]
 
     def commit(self, rows: list[int] | np.ndarray) -> None:
         """Append the KV of these rows of the last `run` (in order: the root and an accepted path,
@@ -174,6 +230,10 @@ class ModelRunner:
         m = len(rows)
         if m:
             self.length = min(self.length, int(slots.min()))
+        if self.kv is not None:
+            if m:
+                self.kv.store(self._last.new_stack, rows, slots)
+            return
         chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
         for cache, new in zip(self.cache, self._last.new_kv, strict=True):
             if chain:  # contiguous on both sides: one slice copy

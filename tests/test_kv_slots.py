@@ -99,9 +99,11 @@ def test_graphs_are_timed_with_a_short_visible_prefix_whatever_the_capacity(cont
 
     from common import graph_io
     from common.graph_io import ModelDims
-    from compiler.costs import _feeds
+    from compiler.costs import call_inputs
 
-    feeds = _feeds(ModelDims(n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=64), 5, context)
+    inputs = call_inputs(ModelDims(n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=64), 5, context, "cpu")
+    feeds = {k: v.numpy() for k, v in inputs.items()}  # views of the OrtValues' memory: `inputs` keeps it
+    assert feeds[graph_io.past_key(0)].dtype == np.float32  # the model's KV type (float16 on a GPU target)
     mask = feeds[graph_io.ATTENTION_MASK][0]
     assert mask.shape == (5, context + 5)
     assert (mask[:, :visible]).all() and not mask[:, visible:context].any()

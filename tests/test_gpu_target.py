@@ -1,0 +1,176 @@
+"""The GPU target (ort-cuda) where no GPU is: what builds and runs without one, and the refusals.
+
+The GPU measurements themselves are in docs/benchmarks.md ("GPU target"); here: the device-resident
+KV cache path (run on the CPU provider, it must give exactly what the host cache gives), the float16
+build (types, kernels, RMSNorm statistics kept in float32) and the clear errors on a machine whose
+ONNX Runtime has no CUDA provider or whose session fell back to the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.transformers.float16 import convert_float_to_float16
+
+import runtime
+from common import graph_io, targets
+from common.manifest import read_manifest
+from common.recipe import ModelSpec
+from common.targets import TargetUnavailableError, check_session
+from compiler.float16 import norm_statistics, to_float16
+from export.pipeline import build_artifact
+from tests.conftest import tiny_recipe
+
+NO_CUDA = "CUDAExecutionProvider" not in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def both(artifact_dir):
+    """The shared tiny artifact loaded twice: host numpy cache, and the device-cache path on the CPU."""
+    host, device = runtime.load_artifact(artifact_dir), runtime.load_artifact(artifact_dir, device_cache=True)
+    assert host.tlm.kv is None and device.tlm.kv is not None and device.tlm.cache == []
+    return host, device
+
+
+@pytest.mark.parametrize("options", [
+    dict(speculative=False),
+    dict(speculative="draft", draft_length=3),
+    dict(speculative="prompt_lookup"),
+    dict(speculative="lookahead"),
+    dict(speculative=False, do_sample=True, temperature=0.9, seed=5),
+    dict(speculative="draft", do_sample=True, temperature=0.9, seed=5, draft_length=3),
+])
+def test_the_device_cache_gives_exactly_what_the_host_cache_gives(both, options):
+    host, device = both
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    a = runtime.generate(host, prompt, max_new_tokens=24, **options)
+    b = runtime.generate(device, prompt, max_new_tokens=24, **options)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+
+
+def test_the_device_cache_serves_parallel_branches_and_a_reused_prefix(both):
+    host, device = both
+    a = runtime.generate(host, "import os\n", n=3, max_new_tokens=12, do_sample=True, seed=2)
+    b = runtime.generate(device, "import os\n", n=3, max_new_tokens=12, do_sample=True, seed=2)
+    assert [c.token_ids for c in a.branches] == [c.token_ids for c in b.branches]
+    first = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)
+    again = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)  # prefix found in the cache
+    assert device.tlm.reused > 0 and again.token_ids == first.token_ids
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory, checkpoints):
+    recipe = replace(tiny_recipe(target="ort-cuda"), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))
+    with pytest.warns(UserWarning, match="batch-invariant graphs need mxspd's kernels"):
+        return build_artifact(recipe, tmp_path_factory.mktemp("cuda") / "art", tlm=str(checkpoints["llama-gqa"]),
+                              dlm=str(checkpoints["draft"]), progress=False)
+
+
+def test_a_cuda_artifact_builds_without_a_gpu_in_float16_with_mxfp6_in_matmulnbits(cuda_artifact):
+    manifest = read_manifest(cuda_artifact)
+    assert manifest.target == "ort-cuda"
+    for role, entry in manifest.models.items():
+        assert entry.dims.kv_dtype == "float16" and not entry.batch_invariant
+        if NO_CUDA:  # no GPU to time the graphs on: the runtime measures for itself
+            assert all(g.cost_ms == 0.0 for g in entry.graphs.values())
+        graph = onnx.load(str(cuda_artifact / entry.graphs[graph_io.DECODE].file), load_external_data=False).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+        assert types[graph_io.past_key(0)] == types[graph_io.new_value(0)] == TensorProto.FLOAT16
+        assert types[graph_io.LOGITS] == TensorProto.FLOAT  # sampling reads float32 logits
+        bits = [a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
+        assert (set(bits) == {8} and len(bits) >= 7) if role == "tlm" else not bits  # the MXFP6 TLM's matrices
+        assert len(norm_statistics(graph)) == 2 * entry.dims.n_layers + 1
+
+
+def test_the_float16_graphs_compute_what_the_float32_graphs_compute(cuda_artifact, checkpoints, tmp_path):
+    """Run on the CPU provider (which has float16 kernels or casts around them): the GPU target's
+    prefill against the CPU target's, same checkpoint and MX lowering, a visible cache of random KV."""
+    recipe = replace(tiny_recipe(), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"), dlm=None,
+                     batch_invariant=False)
+    cpu_artifact = build_artifact(recipe, tmp_path / "cpu", tlm=str(checkpoints["llama-gqa"]), progress=False)
+    rng = np.random.default_rng(0)
+    entry = read_manifest(cpu_artifact).models["tlm"]
+    context, tokens = read_manifest(cpu_artifact).capacity, entry.graphs[graph_io.PREFILL].tokens
+    shapes = graph_io.input_shapes(entry.dims, 1, tokens, context)
+    kv = {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in graph_io.input_names(entry.dims)[3:]}
+    mask = np.zeros(shapes[graph_io.ATTENTION_MASK], bool)
+    mask[0, :, :20], mask[0, :, context:] = True, np.tri(tokens, dtype=bool)
+    feeds = {graph_io.INPUT_IDS: rng.integers(4, 200, (1, tokens)), graph_io.ATTENTION_MASK: mask,
+             graph_io.POSITION_IDS: np.arange(20, 20 + tokens)[None]}
+    logits = {}
+    for art, dtype in ((cpu_artifact, np.float32), (cuda_artifact, np.float16)):
+        graph = art / read_manifest(art).models["tlm"].graphs[graph_io.PREFILL].file
+        session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        logits[dtype] = session.run([graph_io.LOGITS], feeds | {n: v.astype(dtype) for n, v in kv.items()})[0]
+    a, b = logits[np.float32], logits[np.float16]
+    assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
+    assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.9
+
+
+def _rmsnorm_graph() -> onnx.ModelProto:
+    """A residual value through RMSNorm into a projection named `logits` (as the graphs end)."""
+    rng = np.random.default_rng(0)
+    consts = {"one": np.array(1.0, np.float32), "two": np.array(2.0, np.float32), "axes": np.array([-1], np.int64),
+              "eps": np.array(1e-5, np.float32), "w": np.linspace(0.5, 1.5, 64).astype(np.float32),
+              "proj": rng.standard_normal((64, 16)).astype(np.float32)}
+    nodes = [helper.make_node("Mul", ["x", "one"], ["h"]), helper.make_node("Pow", ["h", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["ms"]), helper.make_node("Add", ["ms", "eps"], ["mse"]),
+             helper.make_node("Sqrt", ["mse"], ["rms"]), helper.make_node("Div", ["h", "rms"], ["n"]),
+             helper.make_node("Mul", ["n", "w"], ["y"]), helper.make_node("MatMul", ["y", "proj"], [graph_io.LOGITS])]
+    graph = helper.make_graph(nodes, "norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info(graph_io.LOGITS, TensorProto.FLOAT, [2, 16])],
+                              [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _statistic_types(model: onnx.ModelProto) -> set[int]:
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.value_info, *inferred.output]}
+    return {types[o] for chain in norm_statistics(model.graph) for n in chain for o in n.output}
+
+
+def test_float16_graphs_keep_the_rmsnorm_statistic_in_float32(tmp_path):
+    path = tmp_path / "g.onnx"
+    onnx.save(_rmsnorm_graph(), path)
+    to_float16(path)
+    ours = onnx.load(str(path))
+    assert {i.type.tensor_type.elem_type for i in ours.graph.input} == {TensorProto.FLOAT16}
+    # mean(x^2) of a residual outlier of 256 or more is past float16's 65504: it must stay float32
+    assert _statistic_types(ours) == {TensorProto.FLOAT}
+    assert _statistic_types(convert_float_to_float16(_rmsnorm_graph(), keep_io_types=[graph_io.LOGITS])) == {
+        TensorProto.FLOAT16}  # the control: ONNX Runtime's plain conversion puts it in float16
+    x = (np.random.default_rng(1).standard_normal((2, 64)) * 600).astype(np.float32)  # outliers past 1,000
+    ref = ort.InferenceSession(_rmsnorm_graph().SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.astype(np.float16)})[0]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="this ONNX Runtime has the CUDA provider")
+def test_loading_a_cuda_artifact_without_the_cuda_provider_is_refused_by_name(cuda_artifact):
+    with pytest.raises(TargetUnavailableError, match="needs ONNX Runtime's CUDAExecutionProvider.*onnxruntime-gpu"):
+        runtime.load_artifact(cuda_artifact)
+
+
+def test_both_onnxruntime_wheels_installed_is_named_as_the_cause(monkeypatch):
+    monkeypatch.setattr(targets, "_installed", lambda name: True)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(TargetUnavailableError,
+                       match="share one `onnxruntime` module: `pip uninstall -y onnxruntime && pip install --force"):
+        targets.check_target("ort-cuda")
+
+
+def test_a_gpu_session_that_fell_back_to_the_cpu_is_refused():
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[helper.make_opsetid("", 18)],
+        ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    check_session(session, "ort-cpu")
+    with pytest.raises(TargetUnavailableError, match="could not start CUDAExecutionProvider"):
+        check_session(session, "ort-cuda")

@@ -5,15 +5,16 @@
 
 Each artifact is loaded twice, with each fixed-shape graph replayed as a CUDA graph and with every
 kernel launched, and greedy autoregressive generations of the same prompt alternate between the
-two, `rounds` times. Per run: decode tokens/s; per generated token, the time inside model calls
-(inputs in and logits out included) and the rest, the host's overhead (sampling, masks, committing
-KV). Checks that both give the same tokens, and that greedy speculation (the recipe's method) gives
-what greedy autoregressive decoding gives, and prints the floor: the decode call's weight bytes
-over the GPU's read bandwidth (benchmarks.bandwidth.gpu_read_bandwidth_gbs), and where ONNX Runtime
-placed each op of the decode graph (from its profile: a CPU-placed MatMulNBits would be a silent
-fallback). `--genai` adds onnxruntime-genai's CUDA builds of the same GGUF (onnxruntime-genai-cuda,
-benchmarks.vs_llamacpp.Genai), timed in the same rounds on the same prompt token ids, each our
-artifact's CUDA-graph speed over theirs.
+two, `rounds` times. Per run: decode tokens/s; per generated token (the prompt's prefill spread
+over them), the time inside model calls (inputs in and logits out included) and the rest, the
+host's overhead (sampling, masks, committing KV). Checks that both give the same tokens and that
+greedy speculation (the recipe's method) gives what greedy autoregressive decoding gives; prints
+the floor (the decode call's weight bytes over the GPU's read bandwidth,
+benchmarks.bandwidth.gpu_read_bandwidth_gbs) and where ONNX Runtime placed each op of the decode
+graph (from its profile: a CPU-placed MatMulNBits would be a silent fallback). `--genai` adds
+onnxruntime-genai's CUDA builds of the same GGUF (onnxruntime-genai-cuda,
+benchmarks.vs_llamacpp.Genai), timed in the same rounds on the same prompt token ids, and each of
+our artifacts' CUDA-graph speed over theirs.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ def smaps_mib() -> dict[str, float]:
     return out
 
 
+def weights_file_mib(art_dir: Path) -> dict[str, float]:
+    """Each model's weights file, MiB."""
+    return {p.parent.name: round(p.stat().st_size / 2**20, 1) for p in Path(art_dir).rglob("weights.bin")}
+
+
 def main() -> None:
     art_dir = Path(sys.argv[1])
     heap = "--heap-prepacked" in sys.argv
@@ -48,7 +53,7 @@ def main() -> None:
         "after_load_mib": {k: round(v, 1) for k, v in loaded.items()},
         "after_generate_mib": {k: round(v, 1) for k, v in after.items()},
         "prepacked_copy_mib": mib,
-        "weights_file_mib": {p.parent.name: round(p.stat().st_size / 2**20, 1) for p in art_dir.rglob("weights.bin")},
+        "weights_file_mib": weights_file_mib(art_dir),
         "pss_growth_over_one_prepacked_copy": round((after["pss"] - base["pss"]) / one_copy, 3) if one_copy else None,
         "graphs_per_model": {role: len(m.graphs) for role, m in art.manifest.models.items()},
         "load_s": round(art.load_seconds, 3),

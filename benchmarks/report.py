@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 import runtime
 from benchmarks.bandwidth import gpu_name, gpu_read_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.memory import weights_file_mib
 from benchmarks.variants import build_cached, variant
 from common.recipe import TARGETS
 from common.resources import DoesNotFitError
@@ -264,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                    args.draft_length)
     rows = {name: summarize(r) for name, r in runs.items()}
     # a GPU run's host PSS says little; its floor is the GPU's memory bandwidth
-    memory = {k: {"pss_after_generate_mib": None, "weights_mib": (d / arts[k].manifest.models["tlm"].weights)
-                  .stat().st_size / 2**20} if on_gpu else memory_mib(d) for k, d in dirs.items()}
+    memory = {k: {"pss_after_generate_mib": None, "weights_mib": weights_file_mib(d)} if on_gpu else memory_mib(d)
+              for k, d in dirs.items()}
     bandwidth = gpu_read_bandwidth_gbs(args.bandwidth_gib) if on_gpu else read_bandwidth_gbs(args.bandwidth_gib)
     models = ("tlm", "dlm") if recipe.dlm else ("tlm",)
     per_call = {(which, m): weight_bytes_per_call(d, m) / 1e6 if m in models else 0.0

@@ -108,7 +108,7 @@ def effective_lowering(lowering: str, target: str) -> str:
     if why is None:
         return lowering
     warnings.warn(f"MX lowering {lowering!r} (mxspd's native 6-bit kernel) is unavailable: {why}; falling back to "
-                  "'fused' (MatMulNBits, 9 bits per weight read per token)", stacklevel=2)
+                  "'fused' (MatMulNBits: 8-bit codes and a scale per block of 32)", stacklevel=2)
     return "fused"
 
 

@@ -14,7 +14,15 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.graph_io import ModelDims
-from common.targets import DEVICE, PROVIDERS, compiled_session_options, parked_pools
+from common.targets import (
+    DEVICE,
+    PROVIDERS,
+    TargetUnavailableError,
+    check_session,
+    check_target,
+    compiled_session_options,
+    parked_pools,
+)
 
 # Cache slots each row sees while timing. Attention's cost follows the keys a row sees (hidden ones are
 # skipped), the weights' cost follows the call: timed with half of a 2,048-slot serving cache visible,
@@ -42,13 +50,21 @@ def call_inputs(dims: ModelDims, tokens: int, context: int, device: str) -> dict
 def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: str,
                    repeats: int = 5) -> dict[str, float]:
     """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs; empty when
-    the target's provider is not on the build machine (the runtime then measures for itself)."""
-    if PROVIDERS[target][0] not in ort.get_available_providers():
+    the target's provider is not on the build machine or cannot start there (the runtime then measures
+    for itself)."""
+    try:
+        check_target(target)  # also loads pip's CUDA libraries for the GPU target
+    except TargetUnavailableError:
         return {}
     so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, spinning within calls
     with parked_pools():
-        sessions = {n: (ort.InferenceSession(str(p), so, providers=PROVIDERS[target]),
-                        call_inputs(dims, t, context, DEVICE[target])) for n, (p, t) in graphs.items()}
+        sessions = {n: ort.InferenceSession(str(p), so, providers=PROVIDERS[target]) for n, (p, _) in graphs.items()}
+    try:  # onnxruntime-gpu lists its provider on a machine without a GPU too
+        for session in sessions.values():
+            check_session(session, target)
+    except TargetUnavailableError:
+        return {}
+    sessions = {n: (s, call_inputs(dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
     times: dict[str, list[float]] = {n: [] for n in graphs}
     for i in range(repeats + 1):
         for name, (session, feeds) in sessions.items():

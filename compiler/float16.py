@@ -27,8 +27,8 @@ KV_DTYPE = "float16"
 
 
 def norm_statistics(graph: onnx.GraphProto) -> list[list[onnx.NodeProto]]:
-    """Each RMSNorm's x -> 1 / sqrt(mean(x^2) + eps) as its nodes: Pow, ReduceMean, then the
-    single-consumer chain (Add, Sqrt, Div) up to the Mul that scales x."""
+    """Each RMSNorm's x -> x / sqrt(mean(x^2) + eps) as its nodes: Pow, ReduceMean, then the
+    single-consumer chain (Add, Sqrt, Div) whose output the norm's weight multiplies."""
     producer = {o: n for n in graph.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
@@ -47,8 +47,9 @@ def norm_statistics(graph: onnx.GraphProto) -> list[list[onnx.NodeProto]]:
 
 
 def _keep_float32(graph: onnx.GraphProto, chains: list[list[str]], constants: dict[str, onnx.TensorProto]) -> None:
-    """Run converted chains (node names) in float32 again: their float32 constants back, a Cast in
-    before each chain's first node and a Cast out after its last, in graph order."""
+    """Run converted chains (node names) in float32 again: their float32 constants back, one Cast in
+    per float16 tensor a chain reads (x, read by Pow and Div) before its first node, and a Cast out
+    after its last, in graph order; the float16 constants no node reads any more go."""
     before: dict[str, list[onnx.NodeProto]] = {}
     after: dict[str, onnx.NodeProto] = {}
     by_name = {n.name: n for n in graph.node}
@@ -60,14 +61,16 @@ def _keep_float32(graph: onnx.GraphProto, chains: list[list[str]], constants: di
             for i, name in enumerate(n.input):
                 if name in inside or name in initializers and name not in constants:  # ReduceMean's axes
                     continue
-                n.input[i] = f"{name}.{n.name}.fp32"
                 if name in constants:
+                    n.input[i] = f"{name}.{n.name}.fp32"
                     own = _copied(constants[name])
                     own.name = n.input[i]
                     graph.initializer.append(own)
-                else:  # float16 from outside the chain (x itself)
-                    before.setdefault(chain[0].name, []).append(
-                        helper.make_node("Cast", [name], [n.input[i]], name=f"{n.input[i]}.cast", to=TensorProto.FLOAT))
+                    continue
+                n.input[i] = cast = f"{name}.{chain[0].name}.fp32"  # float16 from outside the chain: x
+                casts = before.setdefault(chain[0].name, [])
+                if all(c.output[0] != cast for c in casts):
+                    casts.append(helper.make_node("Cast", [name], [cast], name=f"{cast}.cast", to=TensorProto.FLOAT))
         last = chain[-1]
         out = last.output[0]
         last.output[0] = f"{out}.fp32"
@@ -76,6 +79,10 @@ def _keep_float32(graph: onnx.GraphProto, chains: list[list[str]], constants: di
     del graph.node[:]
     for n in nodes:
         graph.node.extend([*before.get(n.name, []), n, *([after[n.name]] if n.name in after else [])])
+    read = {i for n in graph.node for i in n.input}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
 
 
 def to_float16(path: Path) -> Path:

@@ -20,6 +20,7 @@ import onnxruntime as ort
 from common import graph_io as io
 from common.graph_io import ModelDims
 from common.manifest import ArtifactError
+from common.targets import DEVICE, check_session
 
 
 def zeros(shape: tuple[int, ...], dtype: np.dtype, device: str) -> ort.OrtValue:
@@ -30,15 +31,18 @@ def zeros(shape: tuple[int, ...], dtype: np.dtype, device: str) -> ort.OrtValue:
 class DeviceKV:
     """The cache [2L, 1, H, C, D] on `device`, its per-layer slices, and the in-place store call."""
 
-    def __init__(self, store_graph: Path, dims: ModelDims, slots: int, device: str, providers: list,
+    def __init__(self, store_graph: Path, dims: ModelDims, slots: int, target: str, providers: list,
                  options: ort.SessionOptions) -> None:
-        self.dims, self.slots, self.device = dims, slots, device
+        """Opens the store graph's session first: where the GPU cannot start, that refuses by name
+        (check_session) before anything is allocated on it."""
+        self.dims, self.device = dims, DEVICE[target]
         self.dtype = np.dtype(dims.kv_dtype)
-        self.cache = zeros((2 * dims.n_layers, 1, dims.n_kv_heads, slots, dims.head_dim), self.dtype, device)
         if not store_graph.is_file():
             raise ArtifactError(f"{store_graph} is missing: this artifact was built before the device cache "
-                                    "existed; re-run `python -m export` to keep its cache on the device")
+                                "existed; re-run `python -m export` to keep its cache on the device")
         self._session = ort.InferenceSession(str(store_graph), options, providers=providers)
+        check_session(self._session, target)
+        self.cache = zeros((2 * dims.n_layers, 1, dims.n_kv_heads, slots, dims.head_dim), self.dtype, self.device)
         self._binding = self._session.io_binding()
         self._bind(self._binding, io.KV_CACHE, self.cache, 0, slots)
         self._bind(self._binding, io.KV_CACHE_OUT, self.cache, 0, slots, output=True)

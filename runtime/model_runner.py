@@ -91,13 +91,15 @@ class ModelRunner:
         self.max_length = max_length or slots
         self.target = target
         d = self.dims
-        on_gpu = DEVICE[target] == "cuda"
-        self._providers = providers(target, on_gpu if cuda_graph is None else cuda_graph)
+        on_device = DEVICE[target] != "cpu" if device_cache is None else device_cache
+        if cuda_graph and not on_device:
+            raise ValueError("cuda_graph needs the device cache: a CUDA graph replays fixed device addresses")
+        self._providers = providers(target, on_device and DEVICE[target] == "cuda" if cuda_graph is None
+                                    else cuda_graph)
         self.kv: DeviceKV | None = None
-        if on_gpu if device_cache is None else device_cache:
+        if on_device:
             store = Path(artifact_dir) / Path(entry.weights).parent / graph_io.KV_STORE_FILE
-            self.kv = DeviceKV(store, d, slots, DEVICE[target], providers(target),
-                               compiled_session_options(target, threads))
+            self.kv = DeviceKV(store, d, slots, target, providers(target), compiled_session_options(target, threads))
         kv_shape = (1, d.n_kv_heads, slots, d.head_dim)
         self.cache = [] if self.kv is not None else [np.zeros(kv_shape, d.kv_dtype) for _ in range(2 * d.n_layers)]
         self.length = 0

@@ -24,6 +24,7 @@ from common.recipe import ModelSpec
 from common.targets import TargetUnavailableError, check_session
 from compiler.float16 import norm_statistics, to_float16
 from export.pipeline import build_artifact
+from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe
 
 NO_CUDA = "CUDAExecutionProvider" not in ort.get_available_providers()
@@ -53,11 +54,13 @@ def test_the_device_cache_gives_exactly_what_the_host_cache_gives(both, options)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
 
 
-def test_the_device_cache_serves_parallel_branches_and_a_reused_prefix(both):
+def test_the_device_cache_serves_branches_beams_and_a_reused_prefix(both):
     host, device = both
     a = runtime.generate(host, "import os\n", n=3, max_new_tokens=12, do_sample=True, seed=2)
     b = runtime.generate(device, "import os\n", n=3, max_new_tokens=12, do_sample=True, seed=2)
     assert [c.token_ids for c in a.branches] == [c.token_ids for c in b.branches]
+    beams = [runtime.beam_search(art, "def f(x):", num_beams=3, max_new_tokens=10) for art in both]
+    assert [b.token_ids for b in beams[0].sequences] == [b.token_ids for b in beams[1].sequences]
     first = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)
     again = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)  # prefix found in the cache
     assert device.tlm.reused > 0 and again.token_ids == first.token_ids
@@ -110,6 +113,27 @@ def test_the_float16_graphs_compute_what_the_float32_graphs_compute(cuda_artifac
     a, b = logits[np.float32], logits[np.float16]
     assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.9
+
+
+def test_a_float16_device_cache_commits_what_a_float16_host_cache_commits(cuda_artifact):
+    """Two-byte slots: the layer offsets and the store graph in float16 (run on the CPU provider)."""
+    manifest = read_manifest(cuda_artifact)
+    entry = manifest.models["tlm"]
+    logits = []
+    for device_cache in (False, True):
+        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target="ort-cpu", device_cache=device_cache)
+        runner.start(np.arange(5, 17))
+        runner.run(graph_io.score_graph(3), np.array([7, 8, 9, 10]))
+        runner.commit([0, 2])  # not a chain: the rows' KV go to slots 12 and 13
+        logits.append(runner.forward(graph_io.DECODE, np.array([11])))
+    np.testing.assert_array_equal(*logits)
+
+
+def test_cuda_graphs_without_the_device_cache_are_refused(cuda_artifact):
+    manifest = read_manifest(cuda_artifact)
+    with pytest.raises(ValueError, match="cuda_graph needs the device cache"):
+        ModelRunner(cuda_artifact, manifest.models["tlm"], manifest.capacity, target="ort-cpu", device_cache=False,
+                    cuda_graph=True)
 
 
 def _rmsnorm_graph() -> onnx.ModelProto:

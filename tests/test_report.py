@@ -194,4 +194,6 @@ def test_floor_benchmark_reports_decode_against_the_bandwidth_floor(artifact_dir
     assert floor.main([str(artifact_dir), "--prompt", "ab", "--new-tokens", "4", "--gib", "0.05"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["new_tokens"] == 4 and out["decode_tokens_per_s"] > 0 and out["weights_read_per_token_MB"] > 0
-    assert out["fraction_of_floor"] == pytest.approx(out["decode_tokens_per_s"] / out["floor_tokens_per_s"], rel=0.02)
+    # the fraction is printed to 3 decimals: a small one (a cache-sized probe reads fast) is off by up to 5e-4
+    assert out["fraction_of_floor"] == pytest.approx(out["decode_tokens_per_s"] / out["floor_tokens_per_s"], rel=0.02,
+                                                     abs=6e-4)

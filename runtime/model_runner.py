@@ -94,6 +94,8 @@ class ModelRunner:
         on_device = DEVICE[target] != "cpu" if device_cache is None else device_cache
         if cuda_graph and not on_device:
             raise ValueError("cuda_graph needs the device cache: a CUDA graph replays fixed device addresses")
+        if cuda_graph and DEVICE[target] != "cuda":
+            raise ValueError(f"cuda_graph applies to the GPU target (ort-cuda), not {target!r}")
         self._providers = providers(target, on_device and DEVICE[target] == "cuda" if cuda_graph is None
                                     else cuda_graph)
         self.kv: DeviceKV | None = None

@@ -2,7 +2,9 @@
 # Issue 29's GPU checks in one run on a lent GPU machine (docs/benchmarks.md, "GPU target"): installs the
 # carried onnxruntime-gpu, builds the SmolLM2 recipe for ort-cuda (float16 and MXFP6) and measures
 # STEPS (default "report gpu"): `report`, the Figure-7 report twice; `gpu`, benchmarks.gpu (CUDA graphs on
-# and off, host overhead, the floor, and onnxruntime-genai-cuda's fp16 and int4 builds if its wheel came).
+# and off, host overhead, the floor, what a call costs after which other call, and onnxruntime-genai-cuda's
+# fp16 and int4 builds if its wheel came); `draft`, the Figure-7 report twice on tiny-stdlib-spd, whose
+# draft model ships in the repository (draft-model speculation on the GPU).
 # PIECES holds piece.* (one tar, split to fit the device tool's transfers) of: ortgpu.tar.xz and
 # libort.tar.xz (onnxruntime-gpu's package folder), wheels (gguf, transformers, onnxruntime-genai-cuda)
 # and SmolLM2-135M-Instruct.Q4_1.gguf.xz. Logs and reports go to OUT.
@@ -39,6 +41,15 @@ if [[ " ${STEPS:-report gpu} " == *" report "* ]]; then
     cp $REP/report.md $OUT/report$i.md; cp $REP/report.json $OUT/report$i.json
   done
 fi
+if [[ " ${STEPS:-report gpu} " == *" draft "* ]]; then
+  for i in 1 2; do
+    SECONDS=0
+    timeout ${REPORT_S:-300} python3 -m benchmarks.report --recipe tiny-stdlib-spd --target ort-cuda --out /root/rep \
+      --bandwidth-gib 4 > $OUT/draft$i.log 2>&1
+    echo "draft report $i: rc $? in ${SECONDS}s"
+    cp /root/rep/tiny-stdlib-spd/report.md $OUT/draft$i.md; cp /root/rep/tiny-stdlib-spd/report.json $OUT/draft$i.json
+  done
+fi
 if [[ " ${STEPS:-report gpu} " == *" gpu "* ]]; then
   SECONDS=0
   [ -d $REP/mxfp6 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --out $REP/mxfp6 \
@@ -59,6 +70,7 @@ r = json.load(open(os.environ["OUT"] + "/gpu.json"))
 print(r["gpu"], r["read_bandwidth_GB_per_s"], "GB/s")
 for a, v in r["artifacts"].items():
     print(a, v["weights_read_per_token_MB"], "MB/token, floor", v["floor_tokens_per_s"], "same", v["same_tokens"])
+    print("   calls, ms:", v["call_pattern_ms"])
     for mode in ("cuda_graph", "launches"):
         rows = v[mode]
         print("  ", mode, rows if isinstance(rows, str) else [(x["decode_tokens_per_s"], x["call_ms_per_token"],

@@ -11,7 +11,9 @@ host's overhead (sampling, masks, committing KV). Checks that both give the same
 greedy speculation (the recipe's method) gives what greedy autoregressive decoding gives; prints
 the floor (the decode call's weight bytes over the GPU's read bandwidth,
 benchmarks.bandwidth.gpu_read_bandwidth_gbs) and where ONNX Runtime placed each op of the decode
-graph (from its profile: a CPU-placed MatMulNBits would be a silent fallback). `--genai` adds
+graph (from its profile: a CPU-placed MatMulNBits would be a silent fallback), and what a call
+costs by what ran before it (`call_pattern`: a decode call after a decode call or after a scoring
+call, a scoring call, a commit; speculation alternates them). `--genai` adds
 onnxruntime-genai's CUDA builds of the same GGUF (onnxruntime-genai-cuda,
 benchmarks.vs_llamacpp.Genai), timed in the same rounds on the same prompt token ids, and each of
 our artifacts' CUDA-graph speed over theirs.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -54,6 +57,37 @@ def placement(artifact: Path, graph: str = graph_io.DECODE) -> dict[str, dict[st
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
             counts.setdefault(args.get("provider", "?"), Counter())[args.get("op_name", "?")] += 1
     return {p: dict(c) for p, c in counts.items()}
+
+
+def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
+    """Median ms of a decode call after a decode call, of a scoring call (the graph for 5 rows), of a decode
+    call right after a scoring call, and of committing 1 and 3 rows, all on the same cached prompt (each
+    commit is rewound). With CUDA graphs speculation lost to plain decoding although its scoring calls cost
+    1.2x a decode call: this shows whether alternating graphs, or the commits, cost what the calls do not."""
+    runner = art.tlm
+    runner.rewind(0)
+    runner.start(np.asarray(prompt))
+    length, decode, score = runner.length, graph_io.DECODE, runner.graph_for(5)
+    one_token, five = np.asarray(prompt[-1:]), np.asarray(prompt[-5:])
+    times: dict[str, list[float]] = {}
+
+    def timed(key: str, call) -> None:
+        t0 = time.perf_counter()
+        call()
+        times.setdefault(key, []).append(1e3 * (time.perf_counter() - t0))
+
+    for _ in range(repeats):
+        timed("decode_after_decode", lambda: runner.run(decode, one_token))
+        timed("commit_1", lambda: runner.commit([0]))
+        runner.rewind(length)
+    for _ in range(repeats):
+        timed(f"{score}_after_decode", lambda: runner.run(score, five))
+        timed("commit_3", lambda: runner.commit([0, 1, 2]))
+        runner.rewind(length)
+        timed(f"decode_after_{score}", lambda: runner.run(decode, one_token))
+        runner.commit([0])
+        runner.rewind(length)
+    return {k: round(float(np.median(v)), 3) for k, v in times.items()}
 
 
 def one(art, prompt: list[int], new_tokens: int) -> dict:
@@ -96,6 +130,8 @@ def measure(paths: list[Path], text: str, new_tokens: int, rounds: int, genai: d
     out = {"gpu": gpu_name(), "read_bandwidth_GB_per_s": round(bandwidth, 1), "artifacts": {}}
     for p in paths:
         weights = weight_bytes_per_call(p, "tlm")
+        pattern = {("cuda_graph" if graph else "launches"): call_pattern(arts[str(p), graph], prompt)
+                   for graph in (True, False) if (str(p), graph) in arts}
         floor = bandwidth * 1e9 / weights
         rows = {("cuda_graph" if graph else "launches"): failed.get((str(p), graph)) or [
             {k: v for k, v in r.items() if k != "tokens"} for r in runs[str(p), graph]] for graph in (True, False)}
@@ -103,7 +139,7 @@ def measure(paths: list[Path], text: str, new_tokens: int, rounds: int, genai: d
         same = bool(done) and all(t == done[0] for t in done)
         out["artifacts"][str(p)] = {"weights_read_per_token_MB": round(weights / 1e6, 2),
                                     "floor_tokens_per_s": round(floor), "same_tokens": same,
-                                    "placement": placement(p), **rows}
+                                    "placement": placement(p), "call_pattern_ms": pattern, **rows}
     ours = {p: float(np.median([r["decode_tokens_per_s"] for r in runs.get((p, True), [])] or [np.nan]))
             for p in map(str, paths)}
     for name, model in genai.items():

@@ -281,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": metadata(recipe, arts, args) | {"read_bandwidth_gb_per_s": bandwidth}, "status": "measured",
               "configs": rows,
               "greedy_spd_equals_ar": greedy_equal(runs, rows_of),
-              "weights_mib": {k: v["weights_mib"] for k, v in memory.items()}}
+              "weights_mib": {k: v["weights_mib"] for k, v in memory.items()},
+              # what each adaptive policy ended up believing a round of each draft length costs (ms; 0: plain)
+              "policy_costs_ms": {which: {"/".join(map(str, key)): {k: round(v, 3) for k, v in sorted(p.cost.items())}
+                                          for key, p in art.policies.items()} for which, art in arts.items()}}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     chart(report, out / "report.png")

@@ -16,12 +16,12 @@ from common import graph_io
 from common.graph_io import ModelDims
 from common.targets import (
     DEVICE,
-    PROVIDERS,
     TargetUnavailableError,
     check_session,
     check_target,
     compiled_session_options,
     parked_pools,
+    providers,
 )
 
 # Cache slots each row sees while timing. Attention's cost follows the keys a row sees (hidden ones are
@@ -47,29 +47,48 @@ def call_inputs(dims: ModelDims, tokens: int, context: int, device: str) -> dict
         name: kv for name in graph_io.input_names(dims)[3:]}
 
 
+def bound_call(session: ort.InferenceSession, dims: ModelDims, tokens: int, context: int,
+               device: str) -> ort.IOBinding:
+    """A call bound as the runtime binds it: inputs from `call_inputs`, every output written into a
+    buffer allocated once on the device (a CUDA graph replays fixed addresses)."""
+    binding = session.io_binding()
+    for name, value in call_inputs(dims, tokens, context, device).items():
+        binding.bind_ortvalue_input(name, value)
+    for name, shape in graph_io.output_shapes(dims, 1, tokens).items():
+        dtype = np.float32 if name == graph_io.LOGITS else np.dtype(dims.kv_dtype).type
+        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0))
+    return binding
+
+
 def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: str,
                    repeats: int = 5) -> dict[str, float]:
-    """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs; empty when
-    the target's provider is not on the build machine or cannot start there (the runtime then measures
-    for itself)."""
+    """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs, timed as the
+    runtime runs them: outputs bound, logits brought to the host, and on a GPU replayed as CUDA graphs
+    (timed without them, a scoring call read 2.4x a decode call's cost where it costs 1.1-1.4x, and
+    speculation never drafted: docs/benchmarks.md, "GPU target"). Empty when the target's provider is
+    not on the build machine or cannot start there (the runtime then measures for itself)."""
     try:
         check_target(target)  # also loads pip's CUDA libraries for the GPU target
     except TargetUnavailableError:
         return {}
     so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, spinning within calls
+    cuda_graph = DEVICE[target] == "cuda"
     with parked_pools():
-        sessions = {n: ort.InferenceSession(str(p), so, providers=PROVIDERS[target]) for n, (p, _) in graphs.items()}
+        sessions = {n: ort.InferenceSession(str(p), so, providers=providers(target, cuda_graph))
+                    for n, (p, _) in graphs.items()}
     try:  # onnxruntime-gpu lists its provider on a machine without a GPU too
         for session in sessions.values():
             check_session(session, target)
     except TargetUnavailableError:
         return {}
-    sessions = {n: (s, call_inputs(dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
+    calls = {n: (s, bound_call(s, dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
+    warm = 3 if cuda_graph else 1  # ONNX Runtime's CUDA provider captures a graph on a session's third run
     times: dict[str, list[float]] = {n: [] for n in graphs}
-    for i in range(repeats + 1):
-        for name, (session, feeds) in sessions.items():
+    for i in range(repeats + warm):
+        for name, (session, binding) in calls.items():
             t0 = time.perf_counter()
-            session.run_with_ort_values([graph_io.LOGITS], feeds)
-            if i:  # the first call warms up
+            session.run_with_iobinding(binding)
+            binding.get_outputs()[0].numpy()  # the logits, to the host as the runtime takes them
+            if i >= warm:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     return {n: round(float(np.median(t)), 3) for n, t in times.items()}

@@ -96,8 +96,8 @@ class ModelRunner:
             raise ValueError("cuda_graph needs the device cache: a CUDA graph replays fixed device addresses")
         if cuda_graph and DEVICE[target] != "cuda":
             raise ValueError(f"cuda_graph applies to the GPU target (ort-cuda), not {target!r}")
-        self._providers = providers(target, on_device and DEVICE[target] == "cuda" if cuda_graph is None
-                                    else cuda_graph)
+        self.cuda_graph = on_device and DEVICE[target] == "cuda" if cuda_graph is None else cuda_graph
+        self._providers = providers(target, self.cuda_graph)
         self.kv: DeviceKV | None = None
         if on_device:
             store = Path(artifact_dir) / Path(entry.weights).parent / graph_io.KV_STORE_FILE
@@ -117,6 +117,7 @@ class ModelRunner:
                 for name, g in entry.graphs.items()
             }
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
+        self.capture_graphs()
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
@@ -160,6 +161,27 @@ class ModelRunner:
         g.new_stack = kv.new_buffer(g.tokens)
         kv.bind_layers(g.binding, [f(i) for i in range(n) for f in (graph_io.new_key, graph_io.new_value)],
                        g.new_stack, g.tokens, output=True)
+
+    def capture_graphs(self) -> None:
+        """Run each graph until ONNX Runtime holds it as a CUDA graph: its CUDA provider captures on a
+        session's third run on a thread (two runs allocate first), and a capture costs tens of ms that a
+        generation's first rounds would pay and the draft policy would take for what a call costs (a
+        scoring call measured 36 ms that costs 3: docs/benchmarks.md, "GPU target"). Captures belong to
+        the thread that ran them: loading captures for the loading thread, and a thread that generates
+        elsewhere (the server's scheduler) calls this first. Rows are padding that sees only itself and
+        nothing is committed; a no-op without CUDA graphs."""
+        if not self.cuda_graph:
+            return
+        for g in self.graphs.values():
+            rows = np.arange(g.tokens)
+            g.input_ids[...] = 0
+            g.position_ids[...] = 0
+            g.mask[...] = False
+            g.mask[0, rows, self.context + rows] = True
+            g.upload()
+            for _ in range(3):
+                g.session.run_with_iobinding(g.binding)
+        self._last = None
 
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""

@@ -66,6 +66,24 @@ def test_the_device_cache_serves_branches_beams_and_a_reused_prefix(both):
     assert device.tlm.reused > 0 and again.token_ids == first.token_ids
 
 
+def test_the_runs_that_capture_cuda_graphs_change_no_generation(both, artifact_dir):
+    """capture_graphs runs every graph on padding rows (on a GPU until ONNX Runtime holds its CUDA graph;
+    forced here, the CPU provider runs the same calls): the runs happened, with rows that see only
+    themselves, and a session with a cached prefix generates after them what it generated before."""
+    host, _ = both
+    art = runtime.load_artifact(artifact_dir, device_cache=True)
+    prompt, options = "import sys\nimport os\n", dict(speculative="draft", draft_length=3, max_new_tokens=8)
+    first = runtime.generate(art, prompt, **options)
+    for runner in art.runners.values():
+        runner.cuda_graph = True
+        runner.capture_graphs()
+    host.tlm.rewind(0)
+    alone = host.tlm.run(graph_io.DECODE, np.array([0]))  # token 0 at position 0, seeing only itself
+    assert np.array_equal(art.tlm.graphs[graph_io.DECODE].download()[0], alone)
+    again = runtime.generate(art, prompt, **options)
+    assert art.tlm.reused > 0 and again.token_ids == first.token_ids
+
+
 @pytest.fixture(scope="module")
 def cuda_artifact(tmp_path_factory, checkpoints):
     recipe = replace(tiny_recipe(target="ort-cuda"), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))

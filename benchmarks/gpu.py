@@ -60,10 +60,11 @@ def placement(artifact: Path, graph: str = graph_io.DECODE) -> dict[str, dict[st
 
 
 def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
-    """Median ms of a decode call after a decode call, of a scoring call (the graph for 5 rows), of a decode
-    call right after a scoring call, and of committing 1 and 3 rows, all on the same cached prompt (each
-    commit is rewound). With CUDA graphs speculation lost to plain decoding although its scoring calls cost
-    1.2x a decode call: this shows whether alternating graphs, or the commits, cost what the calls do not."""
+    """Median ms of a decode call after a decode call, of a scoring call (the graph for 5 rows) after a
+    decode call, of a decode call right after a scoring call, and of committing 1 and 3 rows, all on the
+    same cached prompt; as in generation each call is followed by its commit (rewound after), so "after a
+    decode call" means after a decode call and its commit. Shows whether alternating graphs, or the
+    commits, cost what the calls alone do not (with CUDA graphs they do not: docs/benchmarks.md)."""
     runner = art.tlm
     runner.rewind(0)
     runner.start(np.asarray(prompt))
@@ -113,7 +114,7 @@ def measure(paths: list[Path], text: str, new_tokens: int, rounds: int, genai: d
             try:
                 arts[str(p), graph] = art = runtime.load_artifact(p, cuda_graph=graph)
                 prompt = prompt or encode_prompt(art, text)
-                one(art, prompt, 8)  # warm-up: CUDA graphs are captured on the first calls
+                one(art, prompt, 8)  # warm-up (a thread's first call captures the CUDA graphs)
             except Exception as exc:  # noqa: BLE001 - reported: a graph ONNX Runtime cannot capture, say
                 arts.pop((str(p), graph), None)
                 failed[str(p), graph] = f"{type(exc).__name__}: {exc}"
@@ -130,8 +131,13 @@ def measure(paths: list[Path], text: str, new_tokens: int, rounds: int, genai: d
     out = {"gpu": gpu_name(), "read_bandwidth_GB_per_s": round(bandwidth, 1), "artifacts": {}}
     for p in paths:
         weights = weight_bytes_per_call(p, "tlm")
-        pattern = {("cuda_graph" if graph else "launches"): call_pattern(arts[str(p), graph], prompt)
-                   for graph in (True, False) if (str(p), graph) in arts}
+        pattern = {}
+        for graph in (True, False):
+            if (str(p), graph) in arts:
+                try:
+                    pattern["cuda_graph" if graph else "launches"] = call_pattern(arts[str(p), graph], prompt)
+                except Exception as exc:  # noqa: BLE001 - reported; the decode measurements still stand
+                    pattern["cuda_graph" if graph else "launches"] = f"{type(exc).__name__}: {exc}"
         floor = bandwidth * 1e9 / weights
         rows = {("cuda_graph" if graph else "launches"): failed.get((str(p), graph)) or [
             {k: v for k, v in r.items() if k != "tokens"} for r in runs[str(p), graph]] for graph in (True, False)}

@@ -48,22 +48,26 @@ def call_inputs(dims: ModelDims, tokens: int, context: int, device: str) -> dict
 
 
 def bound_call(session: ort.InferenceSession, dims: ModelDims, tokens: int, context: int,
-               device: str) -> ort.IOBinding:
+               device: str) -> tuple[ort.IOBinding, ort.OrtValue]:
     """A call bound as the runtime binds it: inputs from `call_inputs`, every output written into a
-    buffer allocated once on the device (a CUDA graph replays fixed addresses)."""
-    binding = session.io_binding()
+    buffer allocated once on the device (a CUDA graph replays fixed addresses). Returns the binding
+    and the logits buffer."""
+    binding, logits = session.io_binding(), None
     for name, value in call_inputs(dims, tokens, context, device).items():
         binding.bind_ortvalue_input(name, value)
     for name, shape in graph_io.output_shapes(dims, 1, tokens).items():
         dtype = np.float32 if name == graph_io.LOGITS else np.dtype(dims.kv_dtype).type
-        binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0))
-    return binding
+        buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)
+        binding.bind_ortvalue_output(name, buffer)
+        logits = buffer if name == graph_io.LOGITS else logits
+    return binding, logits
 
 
 def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: str,
                    repeats: int = 5) -> dict[str, float]:
     """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs, timed as the
-    runtime runs them: outputs bound, logits brought to the host, and on a GPU replayed as CUDA graphs
+    runtime runs them (but for its per-call copy of ids, positions and mask, a few microseconds):
+    outputs bound, logits brought to the host, and on a GPU replayed as CUDA graphs
     (timed without them, a scoring call read 2.4x a decode call's cost where it costs 1.1-1.4x, and
     speculation never drafted: docs/benchmarks.md, "GPU target"). Empty when the target's provider is
     not on the build machine or cannot start there (the runtime then measures for itself)."""
@@ -81,14 +85,14 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
             check_session(session, target)
     except TargetUnavailableError:
         return {}
-    calls = {n: (s, bound_call(s, dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
+    calls = {n: (s, *bound_call(s, dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
     warm = 3 if cuda_graph else 1  # ONNX Runtime's CUDA provider captures a graph on a session's third run
     times: dict[str, list[float]] = {n: [] for n in graphs}
     for i in range(repeats + warm):
-        for name, (session, binding) in calls.items():
+        for name, (session, binding, logits) in calls.items():
             t0 = time.perf_counter()
             session.run_with_iobinding(binding)
-            binding.get_outputs()[0].numpy()  # the logits, to the host as the runtime takes them
+            logits.numpy()  # to the host, as the runtime takes them
             if i >= warm:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     return {n: round(float(np.median(t)), 3) for n, t in times.items()}

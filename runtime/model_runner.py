@@ -20,6 +20,7 @@ device; with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,7 @@ class ModelRunner:
                 for name, g in entry.graphs.items()
             }
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
-        self.capture_graphs()
+        self.captured: set[int] = set()  # threads that hold this runner's CUDA graphs (capture_graphs)
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
@@ -163,15 +164,12 @@ class ModelRunner:
                        g.new_stack, g.tokens, output=True)
 
     def capture_graphs(self) -> None:
-        """Run each graph until ONNX Runtime holds it as a CUDA graph: its CUDA provider captures on a
-        session's third run on a thread (two runs allocate first), and a capture costs tens of ms that a
-        generation's first rounds would pay and the draft policy would take for what a call costs (a
-        scoring call measured 36 ms that costs 3: docs/benchmarks.md, "GPU target"). Captures belong to
-        the thread that ran them: loading captures for the loading thread, and a thread that generates
-        elsewhere (the server's scheduler) calls this first. Rows are padding that sees only itself and
-        nothing is committed; a no-op without CUDA graphs."""
-        if not self.cuda_graph:
-            return
+        """Run each graph until ONNX Runtime holds it as a CUDA graph, for the calling thread: its CUDA
+        provider captures on a session's third run on a thread (two runs allocate first), and captures
+        belong to that thread. A capture costs tens of ms, which the draft policy took for what a call
+        costs when it fell inside a generation (a scoring call measured 36 ms that costs 3:
+        docs/benchmarks.md, "GPU target"), so a thread's first call captures every graph at once, before
+        anything is timed. Rows are padding that sees only itself; nothing is committed."""
         for g in self.graphs.values():
             rows = np.arange(g.tokens)
             g.input_ids[...] = 0
@@ -182,6 +180,7 @@ class ModelRunner:
             for _ in range(3):
                 g.session.run_with_iobinding(g.binding)
         self._last = None
+        self.captured.add(threading.get_ident())
 
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
@@ -209,6 +208,8 @@ class ModelRunner:
         sees itself. check=False leaves NaN/Inf rows to the caller (a batch of independent requests
         fails only the request whose row it is).
         """
+        if self.cuda_graph and threading.get_ident() not in self.captured:
+            self.capture_graphs()
         g = self.graphs[graph]
         n, c = len(tokens), self.context
         if n > g.tokens:

@@ -232,8 +232,6 @@ class Scheduler:
 
     def _loop(self) -> None:
         with self.art.exclusive("scheduler"):
-            for runner in self.art.runners.values():
-                runner.capture_graphs()  # CUDA graphs are per thread: this one's, before its first step
             forest = Forest(self.art.tlm, prefix_cache=self.prefix_cache)
             dlm = None
             if "dlm" in self.art.runners:

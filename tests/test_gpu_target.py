@@ -66,22 +66,36 @@ def test_the_device_cache_serves_branches_beams_and_a_reused_prefix(both):
     assert device.tlm.reused > 0 and again.token_ids == first.token_ids
 
 
-def test_the_runs_that_capture_cuda_graphs_change_no_generation(both, artifact_dir):
+def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both, artifact_dir):
     """capture_graphs runs every graph on padding rows (on a GPU until ONNX Runtime holds its CUDA graph;
-    forced here, the CPU provider runs the same calls): the runs happened, with rows that see only
-    themselves, and a session with a cached prefix generates after them what it generated before."""
+    forced here, the CPU provider runs the same calls): a thread's first call captures, for that thread
+    only; the runs happened, each padding row seeing only itself; and a session with a cached prefix
+    generates after them, on another thread, what it generated before."""
+    import threading
+
     host, _ = both
     art = runtime.load_artifact(artifact_dir, device_cache=True)
+    assert art.manifest.models["tlm"].batch_invariant  # so every padding row's logits are the same bits
     prompt, options = "import sys\nimport os\n", dict(speculative="draft", draft_length=3, max_new_tokens=8)
     first = runtime.generate(art, prompt, **options)
+    assert art.tlm.captured == set()  # no CUDA graphs, no captures
     for runner in art.runners.values():
         runner.cuda_graph = True
-        runner.capture_graphs()
+    calls = art.tlm.calls
+    art.tlm.capture_graphs()
+    assert art.tlm.captured == {threading.get_ident()} and art.tlm.calls == calls
     host.tlm.rewind(0)
     alone = host.tlm.run(graph_io.DECODE, np.array([0]))  # token 0 at position 0, seeing only itself
-    assert np.array_equal(art.tlm.graphs[graph_io.DECODE].download()[0], alone)
-    again = runtime.generate(art, prompt, **options)
-    assert art.tlm.reused > 0 and again.token_ids == first.token_ids
+    for g in art.tlm.graphs.values():
+        assert np.array_equal(g.download()[0], np.repeat(alone, g.tokens, axis=0))
+    again: list = []
+    worker = threading.Thread(target=lambda: again.append((runtime.generate(art, prompt, **options),
+                                                          threading.get_ident())))
+    worker.start()
+    worker.join()
+    result, ident = again[0]
+    assert art.tlm.captured == {threading.get_ident(), ident} and ident in art.dlm.captured
+    assert art.tlm.reused > 0 and result.token_ids == first.token_ids
 
 
 @pytest.fixture(scope="module")

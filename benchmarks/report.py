@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 import runtime
-from benchmarks.bandwidth import gpu_name, gpu_read_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.bandwidth import cpu_name, gpu_name, gpu_read_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.memory import weights_file_mib
 from benchmarks.variants import build_cached, variant
 from common.recipe import TARGETS
@@ -134,7 +134,7 @@ def metadata(recipe, arts: dict, args) -> dict:
         "k": recipe.k, "context_length": recipe.context_length, "max_new_tokens": args.max_new_tokens
         or recipe.max_new_tokens, "prompts": len(recipe.prompts), "warmup": args.warmup, "repeats": args.repeats,
         "sampling": "greedy", "onnxruntime": ort.__version__, "provider": PROVIDERS[recipe.target][0],
-        "machine": {"cpu": platform.processor() or platform.machine(),
+        "machine": {"cpu": cpu_name(),
                     "gpu": gpu_name() if DEVICE[recipe.target] == "cuda" else None,
                     "cores": len(os.sched_getaffinity(0)),
                     "system": platform.platform(), "python": platform.python_version()},
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
         if path and getattr(recipe, role) is not None:
             recipe = replace(recipe, **{role: replace(getattr(recipe, role), model=path)})
-    on_gpu = DEVICE[args.target or recipe.target] == "cuda"
     recipe = replace(recipe, target=args.target or recipe.target)
+    on_gpu = DEVICE[recipe.target] == "cuda"
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
     if not recipe.prompts or (recipe.dlm is None and recipe.speculation == "draft"):

@@ -98,6 +98,21 @@ def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both,
     assert art.tlm.reused > 0 and result.token_ids == first.token_ids
 
 
+def test_the_call_pattern_benchmark_times_each_call_and_leaves_the_sequence_as_it_was(both):
+    """benchmarks.gpu's call_pattern (run here on the CPU): a positive median for each call kind, and the
+    cached prompt is all that stays committed."""
+    from benchmarks.gpu import call_pattern
+
+    host, _ = both
+    prompt = list(range(5, 25))
+    ms = call_pattern(host, prompt, repeats=3)
+    score = host.tlm.graph_for(5)
+    assert set(ms) == {"decode_after_decode", "commit_1", f"{score}_after_decode", "commit_3",
+                       f"decode_after_{score}"}
+    assert all(v > 0 for v in ms.values())
+    assert host.tlm.length == len(prompt) and list(host.tlm.history[: len(prompt)]) == prompt
+
+
 @pytest.fixture(scope="module")
 def cuda_artifact(tmp_path_factory, checkpoints):
     recipe = replace(tiny_recipe(target="ort-cuda"), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))

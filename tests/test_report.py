@@ -55,6 +55,11 @@ def test_report_measures_figure_7_and_the_draft_free_methods(checkpoints, tmp_pa
     assert rows["SpD"]["dlm_calls_per_token"] > 0
     assert rows["MXFP6"]["weights_read_mb_per_token"] < 0.5 * rows["baseline"]["weights_read_mb_per_token"]
     assert data["meta"]["read_bandwidth_gb_per_s"] > 0.5  # any machine reads faster than this
+    assert data["meta"]["machine"]["cpu"] and data["meta"]["machine"]["gpu"] is None
+    # the adaptive policies' cost tables (SpD's is fixed here, so only the draft-free methods adapt)
+    costs = data["policy_costs_ms"]["mxfp6"]
+    assert sorted(key.split("/")[0] for key in costs) == ["lookahead", "prompt_lookup"]
+    assert all(table["0"] > 0 and len(table) > 1 for table in costs.values())
     md = (out / "report.md").read_text()
     assert "| MXFP6 + SpD |" in md and "Where the time goes" in md and "Bandwidth floor" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"

@@ -43,6 +43,9 @@ from compiler.layouts import fold_layouts, tensor_shapes
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
+from compiler.skip_norm import fuse_skip_norms
+from compiler.split_heads import fuse_split_heads
+from compiler.swiglu import fuse_swiglu
 from kernels import MX_MATMUL, library_path
 
 EXPORT_INFO = "export.json"
@@ -91,6 +94,8 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     else:
         model = inline_attention(model)
     pack_matmuls(model, read, shared.external)
+    if invariant:
+        fuse_split_heads(model, shapes)
     for t in model.graph.initializer:  # weights the passes left alone (embeddings, norms)
         if t.name in exported:
             data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))
@@ -154,6 +159,9 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
             if target in FLOAT16_TARGETS:
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
+            if target not in FLOAT16_TARGETS:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
+                if fuse_skip_norms(optimised) + (fuse_swiglu(optimised) if invariant else 0):
+                    save_graph(optimised, path)
             if quant:
                 _check_lowered(optimised, name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph

@@ -18,6 +18,8 @@ MX_MATMUL = "MXMatMul"
 ROW_MATMUL = "RowMatMul"
 ATTENTION = "Attention"
 ROTARY = "Rotary"
+ROTARY_QKV = "RotaryQKV"
+SWIGLU = "SwiGLU"
 LIBRARY_STEM = "_mxspd_ort"
 NATIVE_LOWERINGS = ("native", "native8")  # the MX lowerings (common.recipe.MX_LOWERINGS) that run these ops
 

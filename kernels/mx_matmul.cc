@@ -226,33 +226,56 @@ __attribute__((target("avx2,fma"))) void column_avx2(const Problem<WBits, Bits>&
 constexpr int kRowGroup512 = 12;  // accumulators in registers (32 of them)
 constexpr int64_t kAhead = 16;  // columns
 
-struct PairCodes {
-  __m512i mag;      // |integer weight| of column c's 32 codes, then column c + 1's
-  __mmask64 neg;    // which of them are negative
-};
-
-template <int WBits>
-__attribute__((target(MXSPD_AVX512))) inline PairCodes decode_pair(const uint8_t* c0, const uint8_t* c1) {
-  if constexpr (WBits == 8) {
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
-                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
-    return {_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
-  } else {  // decode_avx2's steps on both columns at once
-    int64_t p0, p1;
-    std::memcpy(&p0, c0 + 16, 8);
-    std::memcpy(&p1, c1 + 16, 8);
-    const __m512i q = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0)))),
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1))), 1);
-    const __m512i pairs = _mm512_sllv_epi64(
-        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(p0)), _mm256_set1_epi64x(p1), 1),
-        _mm512_setr_epi64(6, 4, 2, 0, 6, 4, 2, 0));
-    const __m512i lo = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
-                                        _mm512_set1_epi8(15));
-    const __m512i idx = _mm512_or_si512(lo, _mm512_and_si512(pairs, _mm512_set1_epi8(char(0x80))));
-    const __m512i high = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kHighMagnitudes)));
-    return {_mm512_max_epu8(_mm512_shuffle_epi8(high, idx), lo), _mm512_test_epi8_mask(pairs, _mm512_set1_epi8(0x40))};
+// The integer weight of each 6-bit code c (bits 0-3: its low nibble; bit 4: the sign; bit 5: set for codes
+// 0-15 of a magnitude, whose weight is the nibble itself), for VBMI's byte permute: index -> 8 * value.
+struct CodeTable {
+  alignas(64) int8_t signed_weight[64], magnitude[64];
+  CodeTable() {
+    for (int i = 0; i < 64; ++i) {
+      const int lo = i & 15, mag = (i & 32) ? lo : kHighMagnitudes[lo];
+      magnitude[i] = static_cast<int8_t>(mag);
+      signed_weight[i] = static_cast<int8_t>((i & 16) ? -mag : mag);
+    }
   }
+};
+const CodeTable kCodes;
+
+// Bit offsets for VBMI's multishift, per output byte (code c of a column: 64-bit lane c / 8, byte c % 8):
+// its low nibble (codes 0-15: byte c of the 16 nibble bytes; 16-31: the high nibble of byte c - 16), and
+// its pair of top bits (bits 8 (c % 8) + 2 (c / 8) of the 8 pair bytes) moved to bits 4-5 (the offset
+// wraps around the 64-bit lane).
+struct ShiftTable {
+  alignas(64) uint8_t nibble[64], pair[64];
+  ShiftTable() {
+    for (int b = 0; b < 64; ++b) {
+      const int lane = (b / 8) % 4, i = b % 8;
+      nibble[b] = static_cast<uint8_t>(8 * i + (lane >= 2 ? 4 : 0));
+      pair[b] = static_cast<uint8_t>((8 * i + 2 * lane - 4 + 64) % 64);
+    }
+  }
+};
+const ShiftTable kShifts;
+
+// The codes of one block of columns c and c + 1 (lanes 0-31 and 32-63) as indexes into CodeTable: two
+// multishifts gather each code's bits, one ternary-logic op joins them (bits 6-7 are left as they come:
+// the permute ignores them).
+__attribute__((target(MXSPD_AVX512))) inline __m512i code_index(const uint8_t* c0, const uint8_t* c1) {
+  const __m512i nibbles = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0)))),
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1))), 1);
+  int64_t p0, p1;
+  std::memcpy(&p0, c0 + 16, 8);
+  std::memcpy(&p1, c1 + 16, 8);
+  const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(p0)), _mm256_set1_epi64x(p1), 1);
+  const __m512i lo = _mm512_multishift_epi64_epi8(_mm512_load_si512(kShifts.nibble), nibbles);
+  const __m512i hi = _mm512_multishift_epi64_epi8(_mm512_load_si512(kShifts.pair), pairs);
+  return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(15), 0xE4);  // lo where the mask is set, else hi
+}
+
+// MXINT8: the int8 codes of columns c and c + 1 (lanes 0-31 and 32-63) are their integer weights.
+__attribute__((target(MXSPD_AVX512))) inline __m512i int8_codes(const uint8_t* c0, const uint8_t* c1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
 }
 
 template <int WBits, int Bits, int Rows>
@@ -270,19 +293,30 @@ __attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBit
     // (2.7x slower at one row on AMD EPYC, 24 layers of 8 MB): fetch 8 pairs ahead.
     _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * bytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + (kAhead + 1) * bytes), _MM_HINT_T0);
-    const PairCodes w = decode_pair<WBits>(blk, blk + bytes);
     const __m512 wscale = _mm512_insertf32x8(_mm512_set1_ps(table[sc[b]]), _mm256_set1_ps(table[sc[p.kb + b]]), 1);
     const auto* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     const float* xs = p.x_scale(row0, b);
-    if constexpr (Bits == 8) {
+    if constexpr (Bits == 8) {  // dpbusd: unsigned weights, each weight's sign moved onto x
+      __m512i mag;
+      __mmask64 neg;
+      if constexpr (WBits == 8) {
+        const __m512i v = int8_codes(blk, blk + bytes);
+        mag = _mm512_abs_epi8(v);
+        neg = _mm512_movepi8_mask(v);
+      } else {
+        const __m512i idx = code_index(blk, blk + bytes);
+        mag = _mm512_permutexvar_epi8(idx, _mm512_load_si512(kCodes.magnitude));
+        neg = _mm512_test_epi8_mask(idx, _mm512_set1_epi8(16));
+      }
       for (int r = 0; r < Rows; ++r) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + r * kBlock)));
-        const __m512i s = _mm512_dpbusd_epi32(zero, w.mag, _mm512_mask_sub_epi8(x, w.neg, zero, x));
+        const __m512i s = _mm512_dpbusd_epi32(zero, mag, _mm512_mask_sub_epi8(x, neg, zero, x));
         const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(xs[r]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       }
     } else {  // int16 weights: codes 0-15 of both columns, then 16-31
-      const __m512i v = _mm512_mask_sub_epi8(w.mag, w.neg, zero, w.mag);
+      const __m512i v = WBits == 8 ? int8_codes(blk, blk + bytes)
+                                   : _mm512_permutexvar_epi8(code_index(blk, blk + bytes), _mm512_load_si512(kCodes.signed_weight));
       const __m512i halves = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(halves));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(halves, 1));

@@ -165,11 +165,12 @@ struct OrtCustomOp {
   void (*ReleaseAliasMap)(int*, int*);
 };
 
-// A CPU op with one float output; input i has type input_type(i).
+// A CPU op with float outputs (one, unless `outputs` says more); input i has type input_type(i).
 inline OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), int (*input_type)(const OrtCustomOp*, size_t),
                            size_t (*inputs)(const OrtCustomOp*),
                            OrtStatus* (*create)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**),
-                           OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+                           OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*),
+                           size_t (*outputs)(const OrtCustomOp*) = [](const OrtCustomOp*) -> size_t { return 1; }) {
   OrtCustomOp op{};
   op.version = kApiVersion;
   op.GetName = name;
@@ -177,7 +178,7 @@ inline OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), int (*input_
   op.GetInputType = input_type;
   op.GetInputTypeCount = inputs;
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputTypeCount = outputs;
   op.KernelDestroy = destroy;
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };   // required
   op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };  // required
@@ -207,14 +208,14 @@ inline bool has_avx2() {
 // Every op's vector path, unless MXSPD_KERNELS_PORTABLE is set (tests run every path).
 inline const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");
 
-// The target of the AVX-512 paths (512-bit registers with byte/word ops and VNNI dot products): Intel
-// Xeon since Cascade Lake, AMD EPYC since Zen 4.
-#define MXSPD_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma"
+// The target of the AVX-512 paths (512-bit registers with byte/word ops, VBMI's byte permutes and VNNI
+// dot products): Intel Xeon since Ice Lake, AMD EPYC since Zen 4. Older AVX-512 CPUs take the AVX2 paths.
+#define MXSPD_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,avx2,fma"
 inline bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
 }
 // Ops with an AVX-512 path take it unless MXSPD_KERNELS_AVX2 is set (tests compare it with the AVX2 path).
 inline const bool kHasAvx512 = kHasAvx2 && has_avx512() && !std::getenv("MXSPD_KERNELS_AVX2");
@@ -225,5 +226,7 @@ const OrtCustomOp* mx_matmul_op();
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();
 const OrtCustomOp* rotary_op();
+const OrtCustomOp* rotary_qkv_op();
+const OrtCustomOp* swiglu_op();
 
 }  // namespace mxspd

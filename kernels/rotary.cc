@@ -10,10 +10,16 @@
 // With attribute heads = H > 0, X may come as the projection itself, [B, T, H * D] (the same memory):
 // the Reshape before it is fused too (compiler/layouts.py).
 //
+// ai.mxspd::RotaryQKV: the same for a packed q/k/v projection (compiler/pack_matmuls.py), X [B, T,
+// (q_heads + 2 kv_heads) * D]: outputs the rotated queries [B, q_heads, T, D], the rotated keys and the
+// values [B, kv_heads, T, D], in place of the Split, two Rotary ops and the values' Reshape and
+// Transpose (compiler/split_heads.py).
+//
 // Semantics: the same float operations as the nodes it replaces, each rounded once (two products and
 // a sum; the library is built with -ffp-contract=off, so no fused multiply-add), so the output has the
 // same bits as the unfused graph, and every row is computed alone (batch invariance).
 
+#include <cstring>
 #include <new>
 
 #include "ort_api.h"
@@ -21,40 +27,107 @@
 namespace mxspd {
 namespace {
 
-struct Kernel {
-  int64_t heads;  // 0: X is [B, T, H, D]; else X is [B, T, heads * D]
+// Heads [column, column + h * d) of each row of X [B, T, width] into Y [B, h, T, d], rotated or copied.
+struct Heads {
+  const float* x;
+  int64_t b, t, width, column, h, d;
 };
 
+void to_heads(const Heads& in, const float* cos, const float* sin, bool per_batch, bool rotate, float* y) {
+  const int64_t d = in.d, half = d / 2;
+  for (int64_t bi = 0; bi < in.b; ++bi) {
+    for (int64_t hi = 0; hi < in.h; ++hi) {
+      for (int64_t ti = 0; ti < in.t; ++ti) {
+        const float* x = in.x + (bi * in.t + ti) * in.width + in.column + hi * d;
+        float* out = y + ((bi * in.h + hi) * in.t + ti) * d;
+        if (!rotate) {
+          std::memcpy(out, x, d * sizeof(float));
+          continue;
+        }
+        const int64_t row = (per_batch ? bi : 0) * in.t + ti;
+        const float *c = cos + row * d, *s = sin + row * d;
+        for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + -x[i + half] * s[i];
+        for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+      }
+    }
+  }
+}
+
+struct Kernel {
+  int64_t heads;     // Rotary: 0: X is [B, T, H, D]; else X is [B, T, heads * D]. RotaryQKV: the query heads
+  int64_t kv_heads;  // RotaryQKV: the key and value heads
+};
+
+// cos and sin [B or 1, 1, T, D] for X's B and T and head size D; whether they are per batch.
+OrtStatus* angles(OrtKernelContext* ctx, int64_t b, int64_t t, int64_t d, const char* op, const float** cos,
+                  const float** sin, bool* per_batch) {
+  std::vector<int64_t> cd, sd;
+  if (OrtStatus* s = g_api.tensor(ctx, 1, cos, &cd)) return s;
+  if (OrtStatus* s = g_api.tensor(ctx, 2, sin, &sd)) return s;
+  if (cd != sd || cd.size() != 4 || (cd[0] != 1 && cd[0] != b) || cd[1] != 1 || cd[2] != t || cd[3] != d)
+    return g_api.error(op);
+  *per_batch = cd[0] != 1;
+  return nullptr;
+}
+
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
-  const float *x = nullptr, *cos = nullptr, *sin = nullptr;
-  std::vector<int64_t> xd, cd, sd;
+  const float* x = nullptr;
+  std::vector<int64_t> xd;
   if (OrtStatus* s = g_api.tensor(ctx, 0, &x, &xd)) return s;
-  if (OrtStatus* s = g_api.tensor(ctx, 1, &cos, &cd)) return s;
-  if (OrtStatus* s = g_api.tensor(ctx, 2, &sin, &sd)) return s;
   if (const int64_t heads = static_cast<Kernel*>(op_kernel)->heads; heads > 0) {
     if (xd.size() != 3 || xd[2] % heads != 0) return g_api.error("Rotary: X must be [B, T, heads * D]");
     xd = {xd[0], xd[1], heads, xd[2] / heads};
   }
   if (xd.size() != 4 || xd[3] % 2 != 0)
     return g_api.error("Rotary: X must be [B, T, H, D] with D even");
-  const int64_t b = xd[0], t = xd[1], h = xd[2], d = xd[3], half = d / 2;
-  if (cd != sd || cd.size() != 4 || (cd[0] != 1 && cd[0] != b) || cd[1] != 1 || cd[2] != t || cd[3] != d)
-    return g_api.error("Rotary: cos and sin must be [B or 1, 1, T, D] for X [B, T, H, D]");
+  const int64_t b = xd[0], t = xd[1], h = xd[2], d = xd[3];
+  const float *cos = nullptr, *sin = nullptr;
+  bool per_batch = false;
+  if (OrtStatus* s = angles(ctx, b, t, d, "Rotary: cos and sin must be [B or 1, 1, T, D] for X [B, T, H, D]", &cos,
+                            &sin, &per_batch))
+    return s;
   float* y = nullptr;
   if (OrtStatus* s = g_api.output_data(ctx, 0, {b, h, t, d}, &y)) return s;
-  for (int64_t bi = 0; bi < b; ++bi) {
-    for (int64_t hi = 0; hi < h; ++hi) {
-      for (int64_t ti = 0; ti < t; ++ti) {
-        const float* in = x + ((bi * t + ti) * h + hi) * d;
-        const int64_t row = (cd[0] == 1 ? 0 : bi) * t + ti;
-        const float *c = cos + row * d, *s = sin + row * d;
-        float* out = y + ((bi * h + hi) * t + ti) * d;
-        for (int64_t i = 0; i < half; ++i) out[i] = in[i] * c[i] + -in[i + half] * s[i];
-        for (int64_t i = half; i < d; ++i) out[i] = in[i] * c[i] + in[i - half] * s[i];
-      }
-    }
+  to_heads({x, b, t, h * d, 0, h, d}, cos, sin, per_batch, true, y);
+  return nullptr;
+}
+
+OrtStatus* compute_qkv(void* op_kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<Kernel*>(op_kernel);
+  const float* x = nullptr;
+  std::vector<int64_t> xd;
+  if (OrtStatus* s = g_api.tensor(ctx, 0, &x, &xd)) return s;
+  const int64_t heads = k.heads + 2 * k.kv_heads;
+  if (xd.size() != 3 || xd[2] % heads != 0 || (xd[2] / heads) % 2 != 0)
+    return g_api.error("RotaryQKV: X must be [B, T, (q_heads + 2 kv_heads) * D] with D even");
+  const int64_t b = xd[0], t = xd[1], width = xd[2], d = width / heads;
+  const float *cos = nullptr, *sin = nullptr;
+  bool per_batch = false;
+  if (OrtStatus* s = angles(ctx, b, t, d, "RotaryQKV: cos and sin must be [B or 1, 1, T, D] for X [B, T, H * D]",
+                            &cos, &sin, &per_batch))
+    return s;
+  int64_t column = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    const int64_t h = i == 0 ? k.heads : k.kv_heads;
+    float* y = nullptr;
+    if (OrtStatus* s = g_api.output_data(ctx, i, {b, h, t, d}, &y)) return s;
+    to_heads({x, b, t, width, column, h, d}, cos, sin, per_batch, i < 2, y);
+    column += h * d;
   }
   return nullptr;
+}
+
+OrtStatus* create(const OrtKernelInfo* info, bool qkv, void** out) {
+  int64_t heads = 0, kv_heads = 0;
+  if (qkv) {
+    if (OrtStatus* s = g_api.attribute(info, "q_heads", &heads)) return s;
+    if (OrtStatus* s = g_api.attribute(info, "kv_heads", &kv_heads)) return s;
+    if (heads <= 0 || kv_heads <= 0) return g_api.error("RotaryQKV: q_heads and kv_heads must be positive");
+  } else {
+    g_api.optional_attribute(info, "heads", 0, &heads);
+  }
+  *out = new (std::nothrow) Kernel{heads, kv_heads};
+  return *out ? nullptr : g_api.error("Rotary: out of memory");
 }
 
 }  // namespace
@@ -63,13 +136,18 @@ const OrtCustomOp* rotary_op() {
   static const OrtCustomOp op = make_op(
       [](const OrtCustomOp*) { return "Rotary"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
       [](const OrtCustomOp*) -> size_t { return 3; },
-      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) -> OrtStatus* {
-        int64_t heads = 0;
-        g_api.optional_attribute(info, "heads", 0, &heads);
-        *out = new (std::nothrow) Kernel{heads};
-        return *out ? nullptr : g_api.error("Rotary: out of memory");
-      },
+      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, false, out); },
       compute, [](void* k) { delete static_cast<Kernel*>(k); });
+  return &op;
+}
+
+const OrtCustomOp* rotary_qkv_op() {
+  static const OrtCustomOp op = make_op(
+      [](const OrtCustomOp*) { return "RotaryQKV"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
+      [](const OrtCustomOp*) -> size_t { return 3; },
+      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, true, out); },
+      compute_qkv, [](void* k) { delete static_cast<Kernel*>(k); },
+      [](const OrtCustomOp*) -> size_t { return 3; });
   return &op;
 }
 

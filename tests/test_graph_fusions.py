@@ -1,7 +1,9 @@
 """The compiler's fusions: rotary embeddings (compiler/rotary.py, kernels/rotary.cc), head layouts folded
-into the kernels (compiler/layouts.py) and packed MXMatMuls (compiler/pack_matmuls.py) give the same
-bits as the nodes they replace, on small graphs and on whole compiled models; patterns that are not
-theirs stay as exported."""
+into the kernels (compiler/layouts.py), packed MXMatMuls (compiler/pack_matmuls.py) and the packed
+q/k/v split into heads (compiler/split_heads.py) give the same bits as the nodes they replace; the
+residual norms (compiler/skip_norm.py) and the MLP gate (compiler/swiglu.py) the same values within
+float32 rounding; on small graphs and on whole compiled models; patterns that are not theirs stay as
+exported."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import runtime
 from common.targets import session_options
 from compiler import build
 from compiler.rotary import fuse_rotary
+from compiler.skip_norm import fuse_skip_norms
 from export.pipeline import build_artifact
 from tests.conftest import FORMATS, tiny_recipe
 
@@ -87,29 +90,84 @@ def test_what_is_not_rotate_half_is_left_alone(kw):
 @pytest.mark.parametrize(("kind", "fmt"), [("llama-gqa", "mx-native"), ("qwen2", "mx-native"),
                                          ("llama-gqa", "float32")])
 def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpoints, tmp_path, monkeypatch):
-    """Every graph of a Llama- or Qwen2-shaped model has one Rotary per query and key and no Neg left,
-    one matmul call for gate/up (and for q/k/v in MXFP6: float32 k and v fill half a panel here), a
-    Reshape and a Transpose only for the values (a graph output), and its logits are the bits of the
-    same model compiled without any fusion."""
+    """Every graph of a Llama- or Qwen2-shaped model has its rotary embeddings fused and no Neg left,
+    one matmul call for gate/up (and for q/k/v in MXFP6: float32 k and v fill half a panel here), one
+    SwiGLU per layer, and every residual Add in a SkipSimplifiedLayerNormalization. Where the packed
+    q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds biases between), one RotaryQKV per
+    layer splits it into heads, with no Reshape or Transpose left; else one Rotary per query and key,
+    and a Reshape and a Transpose for the values (a graph output). Without SwiGLU (whose sigmoid is
+    not QuickGelu's), its logits are the bits of the same model compiled without the fusions that keep
+    bits; with it, within float32 rounding of them."""
     recipe = replace(tiny_recipe(), dlm=None, tlm=FORMATS[fmt])
-    fused = runtime.load_artifact(build_artifact(recipe, tmp_path / "fused", tlm=str(checkpoints[kind]),
-                                                 progress=False))
+
+    def build_it(name: str) -> runtime.Artifact:
+        return runtime.load_artifact(build_artifact(recipe, tmp_path / name, tlm=str(checkpoints[kind]),
+                                                    progress=False))
+
+    fused = build_it("fused")
     layers = fused.tlm.dims.n_layers
+    split_heads = kind == "llama-gqa" and fmt == "mx-native"
     for g in fused.manifest.models["tlm"].graphs.values():
         ops = [n.op_type for n in onnx.load(str(fused.path / g.file), load_external_data=False).graph.node]
-        assert ops.count(kernels.ROTARY) == 2 * layers and "Neg" not in ops, g.file
+        assert ops.count(kernels.ROTARY_QKV) == (layers if split_heads else 0), g.file
+        assert ops.count(kernels.ROTARY) == (0 if split_heads else 2 * layers) and "Neg" not in ops, g.file
         calls = {"mx-native": (kernels.MX_MATMUL, 4 * layers),  # qkv, o, gate+up, down
                  "float32": (kernels.ROW_MATMUL, 6 * layers + 1)}[fmt]  # q, k, v, o, gate+up, down; LM head
         assert ops.count(calls[0]) == calls[1], g.file
-        assert ops.count("Reshape") == ops.count("Transpose") == layers, g.file
+        assert ops.count("Reshape") == ops.count("Transpose") == (0 if split_heads else layers), g.file
+        assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers, g.file
+        assert ops.count(kernels.SWIGLU) == layers and "QuickGelu" not in ops and "Mul" in ops, g.file  # rotary_emb
+        assert ops.count("Add") == (3 * layers if kind == "qwen2" else 0), g.file  # Qwen2's q/k/v biases
+    monkeypatch.setattr(build, "fuse_swiglu", lambda model: 0)
+    kept = build_it("bits-kept")
     monkeypatch.setattr(build, "fuse_rotary", lambda model, read, shapes: 0)
     monkeypatch.setattr(build, "fold_layouts", lambda model, shapes: 0)
     monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store: 0)
-    unfused = runtime.load_artifact(build_artifact(recipe, tmp_path / "unfused", tlm=str(checkpoints[kind]),
-                                                   progress=False))
+    monkeypatch.setattr(build, "fuse_split_heads", lambda model, shapes: 0)
+    unfused = build_it("unfused")
     quant = [art.manifest.models["tlm"].quant for art in (fused, unfused)]
     assert quant[0].get("lowered_weights") == quant[1].get("lowered_weights")  # every MX weight still in its kernel
     prompt = np.array([0, 5, 9, 13, 21, 3, 7])
-    starts = [art.tlm.start(prompt[:-1]).copy() for art in (fused, unfused)]
-    np.testing.assert_array_equal(*starts)
-    np.testing.assert_array_equal(fused.tlm.forward("decode", prompt[-1:]), unfused.tlm.forward("decode", prompt[-1:]))
+    starts = [art.tlm.start(prompt[:-1]).copy() for art in (fused, kept, unfused)]
+    decodes = [art.tlm.forward("decode", prompt[-1:]) for art in (fused, kept, unfused)]
+    for logits in starts, decodes:
+        np.testing.assert_array_equal(logits[1], logits[2])
+        np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def residual_model(bias: bool = False, axis: int = -1) -> onnx.ModelProto:
+    """Two residual Adds of computed tensors (Relu stands for a layer), each normalised, as ONNX Runtime leaves
+    a Llama graph; `bias`: the first Add adds a constant instead; `axis`: the norms' axis."""
+    f, hidden = TensorProto.FLOAT, 16
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 2, hidden).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "bias")]
+    norm = lambda x, y: helper.make_node("SimplifiedLayerNormalization", [x, "gamma"], [y], axis=axis,  # noqa: E731
+                                         epsilon=1e-5, stash_type=1)
+    nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("Relu", ["b"], ["rb"]),
+             helper.make_node("Add", ["ra", "bias" if bias else "rb"], ["s1"]), norm("s1", "n1"),
+             helper.make_node("Relu", ["n1"], ["layer"]), helper.make_node("Add", ["s1", "layer"], ["s2"]),
+             norm("s2", "y")]
+    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info(n, f, [2, 3, hidden]) for n in "ab"],
+                              [helper.make_tensor_value_info("y", f, [2, 3, hidden])], inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_residual_adds_and_their_norms_fuse_into_one_op_with_the_same_values():
+    model = residual_model()
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert fuse_skip_norms(fused) == 2
+    assert [n.op_type for n in fused.graph.node] == ["Relu", "Relu", "SkipSimplifiedLayerNormalization", "Relu",
+                                                     "SkipSimplifiedLayerNormalization"]
+    rng = np.random.default_rng(1)
+    x = {n: rng.standard_normal((2, 3, 16)).astype(np.float32) * 4 for n in "ab"}
+    np.testing.assert_allclose(run(fused, x), run(model, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"bias": True}, {"axis": 1}])
+def test_a_constant_added_or_another_axis_is_left_alone(kw):
+    """A bias Add (one input an initializer) is not a residual; a norm over another axis is not the op's."""
+    model = residual_model(**kw)
+    assert fuse_skip_norms(model) == (1 if kw.get("bias") else 0)

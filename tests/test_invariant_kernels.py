@@ -148,3 +148,61 @@ def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     assert len(vector) > 0 and vector == avx2 == portable
     y = np.frombuffer(vector, np.float32)
     assert np.isnan(y).any() and (y == 0).any() and np.isfinite(y).mean() > 0.9  # the edge cases took effect
+
+
+def single_op(op: str, inputs: dict[str, list[int | None]], outputs: list[str], **attrs: object) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node(op, list(inputs), outputs, domain=kernels.DOMAIN, **attrs)], op,
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs.items()],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
+
+
+def swiglu(x: np.ndarray) -> np.ndarray:
+    return session(single_op(kernels.SWIGLU, {"x": [None, None, None]}, ["y"])).run(None, {"x": x})[0]
+
+
+def test_swiglu_values_rows_and_paths(tmp_path):
+    """silu(gate) * up within float32 rounding of float64 (relative 3e-7 of each factor), a row's bits the
+    same alone or among others, every code path the same bits; NaN stays NaN, Inf gives silu's limits."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((1, 7, 2 * 45)) * 6).astype(np.float32)  # 45: a vector loop's tail too
+    x[0, 6, :3] = [np.nan, np.inf, -np.inf]
+    y = swiglu(x)
+    g, u = x[..., :45].astype(np.float64), x[..., 45:].astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = g / (1 + np.exp(-g)) * u
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(y[finite], want[finite], rtol=1e-6, atol=1e-30)
+    assert np.isnan(y[0, 6, 0]) and y[0, 6, 1] == np.inf * np.sign(u[0, 6, 1]) and np.isnan(y[0, 6, 2])
+    for r in range(6):
+        np.testing.assert_array_equal(swiglu(x[:, r : r + 1]), y[:, r : r + 1])
+    np.save(tmp_path / "x.npy", x)
+    code = ("import sys, numpy as np; from tests.test_invariant_kernels import swiglu;"
+            "sys.stdout.buffer.write(swiglu(np.load(sys.argv[1])).tobytes())")
+    vector, avx2, portable = every_path(code, str(tmp_path / "x.npy"))
+    assert vector == avx2 == portable == y.tobytes()
+
+
+def test_rotary_qkv_is_the_split_and_the_two_rotary_ops():
+    """RotaryQKV on a packed q/k/v projection: the queries' and keys' Rotary outputs, bit for bit, and the
+    values as heads; a shape that does not split into its heads is refused."""
+    rng = np.random.default_rng(6)
+    b, t, hq, hkv, d = 1, 5, 6, 2, 8
+    x = rng.standard_normal((b, t, (hq + 2 * hkv) * d)).astype(np.float32)
+    angles = rng.uniform(-20, 20, (1, 1, t, d)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    shapes = {"x": [b, t, None], "cos": [1, 1, t, d], "sin": [1, 1, t, d]}
+    q, k, v = session(single_op(kernels.ROTARY_QKV, shapes, ["q", "k", "v"], q_heads=hq, kv_heads=hkv)).run(
+        None, {"x": x, "cos": cos, "sin": sin})
+
+    def rotary(part: np.ndarray, heads: int) -> np.ndarray:
+        model = single_op(kernels.ROTARY, shapes, ["y"], heads=heads)
+        return session(model).run(None, {"x": np.ascontiguousarray(part), "cos": cos, "sin": sin})[0]
+
+    np.testing.assert_array_equal(q, rotary(x[..., : hq * d], hq))
+    np.testing.assert_array_equal(k, rotary(x[..., hq * d : (hq + hkv) * d], hkv))
+    np.testing.assert_array_equal(v, x[..., (hq + hkv) * d :].reshape(b, t, hkv, d).transpose(0, 2, 1, 3))
+    with pytest.raises(Exception, match="must be"):
+        session(single_op(kernels.ROTARY_QKV, shapes, ["q", "k", "v"], q_heads=hq, kv_heads=hkv)).run(
+            None, {"x": x[..., :-8], "cos": cos, "sin": sin})

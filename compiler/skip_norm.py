@@ -1,0 +1,47 @@
+"""Fuse each residual Add and the RMS norm after it into ONNX Runtime's SkipSimplifiedLayerNormalization.
+
+A Llama layer adds its attention and MLP outputs to the residual stream and normalises the sum: an
+Add then a SimplifiedLayerNormalization (ONNX Runtime's own fusion of the exported RMS norm), 60 of
+a SmolLM2 decode step's nodes. The contrib op (com.microsoft, CPU) computes both, its fourth output
+being the sum, which the next residual Add reads. It runs on the graph ONNX Runtime has optimised
+(its optimiser does not make this fusion itself here), for the CPU target. Its norm is computed
+with other roundings than the unfused op's, so logits differ in the last bits from an unfused
+build (not from one row to another: it normalises each row alone).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from compiler.layouts import attribute
+
+MS_DOMAIN = "com.microsoft"
+
+
+def fuse_skip_norms(model: onnx.ModelProto) -> int:
+    """Fuse every Add of two computed tensors whose only norm reader is a SimplifiedLayerNormalization
+    over the last axis (in place); returns how many."""
+    graph = model.graph
+    nodes = list(graph.node)  # one wrapper per node, so that id() names it throughout
+    producer = {o: n for n in nodes for o in n.output}
+    fused: dict[int, onnx.NodeProto | None] = {}  # id(add) -> the fused node; id(norm) -> None
+    for norm in nodes:
+        add = producer.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" else None
+        if (add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or id(add) in fused
+                or not all(i in producer for i in add.input) or attribute(norm, "axis", -1) != -1
+                or len(norm.input) != 2 or len(norm.output) != 1):
+            continue
+        fused[id(add)] = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],
+            [norm.output[0], "", "", add.output[0]], name=f"{norm.name or norm.output[0]}.skip", domain=MS_DOMAIN,
+            epsilon=attribute(norm, "epsilon", 1e-5))
+        fused[id(norm)] = None
+    if not fused:
+        return 0
+    kept = [fused.get(id(n), n) for n in nodes if fused.get(id(n), n) is not None]
+    del graph.node[:]
+    graph.node.extend(kept)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return sum(1 for n in fused.values() if n is not None)

@@ -14,7 +14,8 @@
 // j, the top two bits of c[j], c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. S uint8 [N, K/32]:
 // E8M0 exponents. K is padded to whole blocks with code 0.
 //
-// Code paths: AVX-512 with VNNI (two columns per register, up to 12 rows per pass over the weights),
+// Code paths: AVX-512 with VNNI and VBMI (two columns per register, codes decoded by byte permutes, up to
+// 12 rows per pass over the weights),
 // AVX2 (one column, 4 rows), portable; all three give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead, W [N, K/32, 32] of int8 codes k, and S holds e - 6 (the value

@@ -260,7 +260,7 @@ const ShiftTable kShifts;
 // The codes of one block of columns c and c + 1 (lanes 0-31 and 32-63) as indexes into CodeTable: two
 // multishifts gather each code's bits, one ternary-logic op joins them (bits 6-7 are left as they come:
 // the permute ignores them).
-__attribute__((target(MXSPD_AVX512))) inline __m512i code_index(const uint8_t* c0, const uint8_t* c1) {
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i code_index(const uint8_t* c0, const uint8_t* c1) {
   const __m512i nibbles = _mm512_inserti64x4(
       _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c0)))),
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1))), 1);
@@ -274,13 +274,13 @@ __attribute__((target(MXSPD_AVX512))) inline __m512i code_index(const uint8_t* c
 }
 
 // MXINT8: the int8 codes of columns c and c + 1 (lanes 0-31 and 32-63) are their integer weights.
-__attribute__((target(MXSPD_AVX512))) inline __m512i int8_codes(const uint8_t* c0, const uint8_t* c1) {
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i int8_codes(const uint8_t* c0, const uint8_t* c1) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1)), 1);
 }
 
 template <int WBits, int Bits, int Rows>
-__attribute__((target(MXSPD_AVX512))) void column_pair_avx512(const Problem<WBits, Bits>& p, int64_t col,
+__attribute__((target(MXSPD_AVX512_VBMI))) void column_pair_avx512(const Problem<WBits, Bits>& p, int64_t col,
                                                                int64_t row0) {
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
@@ -370,7 +370,7 @@ void tile(void* user, size_t index) {
 #ifdef MXSPD_X86
   // One row of MXINT8 is all bandwidth: the AVX2 path's single stream reads it faster (4.4-4.8 ms
   // against 5.2-6.1 for 208 MB, AMD EPYC, 2 threads; benchmarks.matmul_rows).
-  if (kHasAvx512 && (WBits == 6 || p.m > 1)) first = pairs_avx512(p, first, end);
+  if (kHasAvx512Vbmi && (WBits == 6 || p.m > 1)) first = pairs_avx512(p, first, end);
 #endif
   for (int64_t col = first; col < end; ++col) {
     for (int64_t row = 0; row < p.m; row += kRowGroup) {

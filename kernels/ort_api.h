@@ -208,17 +208,20 @@ inline bool has_avx2() {
 // Every op's vector path, unless MXSPD_KERNELS_PORTABLE is set (tests run every path).
 inline const bool kHasAvx2 = has_avx2() && !std::getenv("MXSPD_KERNELS_PORTABLE");
 
-// The target of the AVX-512 paths (512-bit registers with byte/word ops, VBMI's byte permutes and VNNI
-// dot products): Intel Xeon since Ice Lake, AMD EPYC since Zen 4. Older AVX-512 CPUs take the AVX2 paths.
-#define MXSPD_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,avx2,fma"
+// The target of the AVX-512 paths (512-bit registers with byte/word ops and VNNI dot products): Intel
+// Xeon since Cascade Lake, AMD EPYC since Zen 4.
+#define MXSPD_AVX512 "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma"
+// MXMatMul's AVX-512 path also decodes codes with VBMI's byte permutes: Intel since Ice Lake, AMD Zen 4.
+#define MXSPD_AVX512_VBMI MXSPD_AVX512 ",avx512vbmi"
 inline bool has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512vnni");
 }
 // Ops with an AVX-512 path take it unless MXSPD_KERNELS_AVX2 is set (tests compare it with the AVX2 path).
 inline const bool kHasAvx512 = kHasAvx2 && has_avx512() && !std::getenv("MXSPD_KERNELS_AVX2");
+inline const bool kHasAvx512Vbmi = kHasAvx512 && __builtin_cpu_supports("avx512vbmi");
 #endif
 
 // The ops, one per source file.

@@ -150,7 +150,7 @@ def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
     weight formats, both activation widths, every row count from 1 to 25 (AVX-512 passes take 1 to
     12 rows, AVX2 groups 4), odd and even column counts, MXINT8's code -128, a NaN block scale, and
-    zero and NaN activation blocks. (On a CPU without AVX-512 VNNI the first two runs take the same
+    zero and NaN activation blocks. (On a CPU without AVX-512 VNNI and VBMI the first two runs take the same
     path.)"""
     rng = np.random.default_rng(6)
     for i, (wbits, bits) in enumerate(itertools.product((6, 8), (16, 8))):

@@ -71,10 +71,11 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
 
 
 def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile
-           ) -> tuple[Path, dict[str, str]]:
+           ) -> tuple[Path, dict[str, str], dict[str, list[int | None]]]:
     """Lower the MX ops of one graph for ONNX Runtime, weight by weight, and make it batch-invariant
     (or inline its attention), into the model's lowered weights file (shared by its graphs: equal
-    tensors are stored once); returns the graph's path and the MX weights lowered."""
+    tensors are stored once); returns the graph's path, the MX weights lowered and the exported
+    graph's tensor shapes (the later passes' evidence that a pattern is what they fuse)."""
     model = onnx.load(str(export_dir / f"{name}.onnx"), load_external_data=False)
     exported = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
     here = Path(shared.f.name)
@@ -84,8 +85,8 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
         located = {e.key: e.value for e in t.external_data}.get("location")
         return read_tensor(t, here.parent if located == shared.name else export_dir)
 
+    shapes = tensor_shapes(model)
     if invariant:  # mxspd's kernels are there
-        shapes = tensor_shapes(model)
         fuse_rotary(model, read, shapes)
         fold_layouts(model, shapes)
     lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
@@ -101,7 +102,7 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
             data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))
             t.CopyFrom(shared.external(data))
     shared.f.flush()
-    return save_graph(model, here.parent / f"lowered-{name}.onnx"), lowered
+    return save_graph(model, here.parent / f"lowered-{name}.onnx"), lowered, shapes
 
 
 def effective_lowering(lowering: str, target: str) -> str:
@@ -154,13 +155,13 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     def optimized(work: Path, shared: SharedFile) -> Iterator[tuple[str, Path]]:
         """Each graph lowered and optimised in turn; its optimised copy goes once it is merged."""
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
-            graph, lowered = _lower(export_dir, name, lowering, invariant, shared)
+            graph, lowered, shapes = _lower(export_dir, name, lowering, invariant, shared)
             path = _optimize(graph, target, work)
             if target in FLOAT16_TARGETS:
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
             if target not in FLOAT16_TARGETS:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
-                if fuse_skip_norms(optimised) + (fuse_swiglu(optimised) if invariant else 0):
+                if fuse_skip_norms(optimised, shapes) + (fuse_swiglu(optimised) if invariant else 0):
                     save_graph(optimised, path)
             if quant:
                 _check_lowered(optimised, name, lowering, lowered)

@@ -19,18 +19,25 @@ from compiler.layouts import attribute
 MS_DOMAIN = "com.microsoft"
 
 
-def fuse_skip_norms(model: onnx.ModelProto) -> int:
-    """Fuse every Add of two computed tensors whose only norm reader is a SimplifiedLayerNormalization
-    over the last axis (in place); returns how many."""
+def fuse_skip_norms(model: onnx.ModelProto, shapes: dict[str, list[int | None]]) -> int:
+    """Fuse every Add of two computed tensors of one known shape ([B, T, H] or [N, H]: the op does not
+    broadcast) normalised by a SimplifiedLayerNormalization over the last axis with a constant scale
+    (in place); returns how many. `shapes`: compiler.layouts.tensor_shapes of the exported graph,
+    whose tensor names ONNX Runtime's optimiser keeps."""
     graph = model.graph
     nodes = list(graph.node)  # one wrapper per node, so that id() names it throughout
     producer = {o: n for n in nodes for o in n.output}
+    constants = {t.name for t in graph.initializer}
     fused: dict[int, onnx.NodeProto | None] = {}  # id(add) -> the fused node; id(norm) -> None
     for norm in nodes:
-        add = producer.get(norm.input[0]) if norm.op_type == "SimplifiedLayerNormalization" else None
+        is_norm = norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx")
+        add = producer.get(norm.input[0]) if is_norm else None
         if (add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or id(add) in fused
                 or not all(i in producer for i in add.input) or attribute(norm, "axis", -1) != -1
-                or len(norm.input) != 2 or len(norm.output) != 1):
+                or len(norm.input) != 2 or norm.input[1] not in constants or len(norm.output) != 1):
+            continue
+        a, b = (shapes.get(i) for i in add.input)
+        if not a or a != b or None in a or len(a) not in (2, 3):
             continue
         fused[id(add)] = helper.make_node(
             "SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], norm.input[1]],

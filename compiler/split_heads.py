@@ -43,12 +43,14 @@ def fuse_split_heads(model: onnx.ModelProto, shapes: dict[str, list[int | None]]
         rq, rk = (only_reader(o, ROTARY, DOMAIN) for o in split.output[:2])
         reshape = only_reader(split.output[2], "Reshape")
         transpose = reshape and only_reader(reshape.output[0], "Transpose")
-        if not (rq and rk and transpose) or list(attribute(transpose, "perm", [])) != HEADS_FIRST:
+        if (not (rq and rk and transpose) or list(attribute(transpose, "perm", [])) != HEADS_FIRST
+                or [rq.input[0], rk.input[0], reshape.input[0]] != list(split.output)):
             continue
         hq, hkv = attribute(rq, "heads", 0), attribute(rk, "heads", 0)
         widths = [(shapes.get(o) or [None])[-1] for o in split.output]
         heads = shapes.get(reshape.output[0]) or []
-        if (not hq or not hkv or None in widths or widths[0] % hq or len(heads) != 4
+        rows = (shapes.get(split.output[2]) or [])[:2]
+        if (not hq or not hkv or None in widths or widths[0] % hq or len(heads) != 4 or heads[:2] != rows
                 or heads[2:] != [hkv, widths[0] // hq] or widths[1:] != [heads[2] * heads[3]] * 2
                 or rq.input[1:] != rk.input[1:] or attribute(split, "axis", 0) not in (-1, 2)):
             continue

@@ -18,13 +18,16 @@ from runtime.proposal import Proposal
 
 def lookup(text: np.ndarray, ngram: int, max_draft: int) -> np.ndarray:
     """Up to max_draft tokens that followed the latest earlier match of text's last n tokens,
-    for the longest n <= ngram that matches (empty when none does)."""
-    for n in range(min(ngram, len(text) - 1), 0, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # starts 0..len-1-n
-        hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
+    for the longest n <= ngram that matches (empty when none does). Runs every round, so it only
+    compares the last token everywhere, then its few earlier occurrences' predecessors."""
+    last = len(text) - 1
+    ends = np.flatnonzero(text[:-1] == text[-1]) if last > 0 else text[:0]  # where a match can end
+    for n in range(min(ngram, last), 0, -1):
+        hits = ends[ends >= n - 1]
+        for j in range(1, n):
+            hits = hits[text[hits - j] == text[last - j]]
         if len(hits):
-            start = hits[-1] + n
-            return text[start : start + max_draft]
+            return text[hits[-1] + 1 : hits[-1] + 1 + max_draft]
     return text[:0]
 
 

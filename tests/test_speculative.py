@@ -15,6 +15,7 @@ import runtime.rejection as rejection_module
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from runtime.model_runner import ModelRunner
+from runtime.prompt_lookup import lookup
 from tests.conftest import tiny_recipe
 
 
@@ -259,3 +260,25 @@ def test_the_dlm_is_fed_the_prompt_only_at_its_first_draft(arts):
     assert art.dlm.calls == calls and art.dlm.length == 0
     proposal = drafter.propose(committed, room=10)
     assert len(proposal.tokens) == 1 and art.dlm.length == len(committed) and art.dlm.calls > calls
+
+
+def test_prompt_lookup_finds_the_latest_longest_match():
+    """`lookup` against the plain definition (every window of every length compared), on random texts over
+    small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 4."""
+    rng = np.random.default_rng(7)
+
+    def reference(text: list[int], ngram: int, max_draft: int) -> list[int]:
+        for n in range(min(ngram, len(text) - 1), 0, -1):
+            starts = [s for s in range(len(text) - n) if text[s : s + n] == text[-n:]]
+            if starts:
+                return text[starts[-1] + n : starts[-1] + n + max_draft]
+        return []
+
+    found = 0
+    for _ in range(2000):
+        text = rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(0, 60))).tolist()
+        ngram, max_draft = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        got = lookup(np.asarray(text, np.int64), ngram, max_draft).tolist()
+        assert got == reference(text, ngram, max_draft), (text, ngram, max_draft)
+        found += bool(got)
+    assert 500 < found < 2000  # matches and misses both

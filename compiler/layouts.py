@@ -10,6 +10,8 @@ tensor), so those nodes go. Values are untouched: the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx
 from onnx import helper, shape_inference
 
@@ -32,28 +34,44 @@ def attribute(node: onnx.NodeProto, name: str, default: object = None) -> object
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
+class Readers:
+    """Which nodes read each tensor of a graph, for the fusion passes: a tensor fuses into its reader only
+    when that reader is the only one (a graph output counts as read by the caller)."""
+
+    def __init__(self, graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:
+        self.of: dict[str, list[onnx.NodeProto]] = {}
+        for n in nodes:
+            for i in n.input:
+                self.of.setdefault(i, []).append(n)
+        self.outputs = {o.name for o in graph.output}
+
+    def sole(self, name: str, op_type: str, domain: str = "") -> onnx.NodeProto | None:
+        """The node that alone reads `name`, if it is an `op_type` of `domain`."""
+        r = self.of.get(name, [])
+        one = len(r) == 1 and name not in self.outputs
+        return r[0] if one and r[0].op_type == op_type and r[0].domain == domain else None
+
+
+def replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], by: dict[int, onnx.NodeProto | None]) -> None:
+    """The graph's nodes become `nodes` in order, each node n replaced by by[id(n)] if given (None: removed)."""
+    kept = [by.get(id(n), n) for n in nodes if by.get(id(n), n) is not None]
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def fold_layouts(model: onnx.ModelProto, shapes: dict[str, list[int | None]]) -> int:
     """Fold every attention output transpose and rotary input reshape (in place); returns how many.
     `shapes`: tensor_shapes of the exported graph."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-
-    def only_reader(name: str, op_type: str) -> onnx.NodeProto | None:
-        r = readers.get(name, [])
-        return r[0] if len(r) == 1 and r[0].op_type == op_type and name not in outputs else None
-
+    readers = Readers(graph, graph.node)
     folded, moved = 0, []  # moved: the Transposes and Reshapes an Attention now does itself
     for node in graph.node:
         if node.domain != DOMAIN:
             continue
         if node.op_type == ATTENTION and attribute(node, "tokens_major", 0) == 0:
-            transpose = only_reader(node.output[0], "Transpose")
-            reshape = transpose and only_reader(transpose.output[0], "Reshape")
+            transpose = readers.sole(node.output[0], "Transpose")
+            reshape = transpose and readers.sole(transpose.output[0], "Reshape")
             heads = shapes.get(node.output[0]) or []
             flat = shapes.get(reshape.output[0]) if reshape else None
             if (transpose and list(attribute(transpose, "perm", [])) == HEADS_FIRST and len(heads) == 4

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from compiler.layouts import attribute
+from compiler.layouts import attribute, replace_nodes
 
 MS_DOMAIN = "com.microsoft"
 
@@ -46,9 +46,7 @@ def fuse_skip_norms(model: onnx.ModelProto, shapes: dict[str, list[int | None]])
         fused[id(norm)] = None
     if not fused:
         return 0
-    kept = [fused.get(id(n), n) for n in nodes if fused.get(id(n), n) is not None]
-    del graph.node[:]
-    graph.node.extend(kept)
+    replace_nodes(graph, nodes, fused)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return sum(1 for n in fused.values() if n is not None)

@@ -13,7 +13,7 @@ import onnx
 from onnx import helper
 
 from compiler.invariance import drop_dead
-from compiler.layouts import HEADS_FIRST, attribute
+from compiler.layouts import HEADS_FIRST, Readers, attribute
 from kernels import DOMAIN, ROTARY, ROTARY_QKV
 
 
@@ -24,25 +24,16 @@ def fuse_split_heads(model: onnx.ModelProto, shapes: dict[str, list[int | None]]
     nodes = list(graph.node)  # one wrapper per node, so that id() names it throughout
     order = {id(n): i for i, n in enumerate(nodes)}
     producer = {o: n for n in nodes for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-
-    def only_reader(name: str, op_type: str, domain: str = "") -> onnx.NodeProto | None:
-        r = readers.get(name, [])
-        ok = len(r) == 1 and r[0].op_type == op_type and r[0].domain == domain and name not in outputs
-        return r[0] if ok else None
+    readers = Readers(graph, nodes)
 
     after: dict[int, list[onnx.NodeProto]] = {}  # id(node) -> the fused nodes that go right after it
     removed: set[int] = set()
     for split in nodes:
         if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or len(split.output) != 3:
             continue
-        rq, rk = (only_reader(o, ROTARY, DOMAIN) for o in split.output[:2])
-        reshape = only_reader(split.output[2], "Reshape")
-        transpose = reshape and only_reader(reshape.output[0], "Transpose")
+        rq, rk = (readers.sole(o, ROTARY, DOMAIN) for o in split.output[:2])
+        reshape = readers.sole(split.output[2], "Reshape")
+        transpose = reshape and readers.sole(reshape.output[0], "Transpose")
         if (not (rq and rk and transpose) or list(attribute(transpose, "perm", [])) != HEADS_FIRST
                 or [rq.input[0], rk.input[0], reshape.input[0]] != list(split.output)):
             continue
@@ -57,7 +48,7 @@ def fuse_split_heads(model: onnx.ModelProto, shapes: dict[str, list[int | None]]
         # In the graph's order: after the Split and the angles, before anything that reads its outputs.
         at = max([order[id(split)], *(order[id(producer[a])] for a in rq.input[1:] if a in producer)])
         new = (rq.output[0], rk.output[0], transpose.output[0])
-        if any(order[id(r)] <= at for o in new for r in readers.get(o, [])):
+        if any(order[id(r)] <= at for o in new for r in readers.of.get(o, [])):
             continue
         after.setdefault(id(nodes[at]), []).append(helper.make_node(
             ROTARY_QKV, [split.input[0], *rq.input[1:]], list(new), name=f"{split.name or split.output[0]}.qkv",

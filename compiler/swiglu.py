@@ -13,7 +13,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from compiler.layouts import attribute
+from compiler.layouts import Readers, attribute, replace_nodes
 from compiler.skip_norm import MS_DOMAIN
 from kernels import DOMAIN, SWIGLU
 
@@ -23,24 +23,15 @@ def fuse_swiglu(model: onnx.ModelProto) -> int:
     of the first and a Mul of that by the second (in place); returns how many."""
     graph = model.graph
     nodes = list(graph.node)  # one wrapper per node, so that id() names it throughout
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in nodes:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-
-    def only_reader(name: str) -> onnx.NodeProto | None:
-        r = readers.get(name, [])
-        return r[0] if len(r) == 1 and name not in outputs else None
-
+    readers = Readers(graph, nodes)
     fused: dict[int, onnx.NodeProto | None] = {}  # id(mul) -> its SwiGLU; id(split), id(gelu) -> None
     for split in nodes:
         if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or len(split.output) != 2:
             continue
-        gelu, mul = only_reader(split.output[0]), only_reader(split.output[1])
-        if (gelu is None or mul is None or gelu.op_type != "QuickGelu" or gelu.domain != MS_DOMAIN
-                or attribute(gelu, "alpha") != 1.0 or only_reader(gelu.output[0]) is not mul
-                or mul.op_type != "Mul" or sorted(mul.input) != sorted([gelu.output[0], split.output[1]])
+        gelu, mul = readers.sole(split.output[0], "QuickGelu", MS_DOMAIN), readers.sole(split.output[1], "Mul")
+        if (gelu is None or mul is None or attribute(gelu, "alpha") != 1.0
+                or readers.sole(gelu.output[0], "Mul") is not mul
+                or sorted(mul.input) != sorted([gelu.output[0], split.output[1]])
                 or attribute(split, "axis", 0) != -1 or len(split.input) != 2):
             continue
         sizes = next((t for t in graph.initializer if t.name == split.input[1]), None)
@@ -51,7 +42,5 @@ def fuse_swiglu(model: onnx.ModelProto) -> int:
         fused.update({id(split): None, id(gelu): None})
     if not fused:
         return 0
-    kept = [fused.get(id(n), n) for n in nodes if fused.get(id(n), n) is not None]
-    del graph.node[:]
-    graph.node.extend(kept)
+    replace_nodes(graph, nodes, fused)
     return sum(1 for n in fused.values() if n is not None)

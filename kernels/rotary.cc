@@ -59,13 +59,13 @@ struct Kernel {
 };
 
 // cos and sin [B or 1, 1, T, D] for X's B and T and head size D; whether they are per batch.
-OrtStatus* angles(OrtKernelContext* ctx, int64_t b, int64_t t, int64_t d, const char* op, const float** cos,
+OrtStatus* angles(OrtKernelContext* ctx, int64_t b, int64_t t, int64_t d, const char* refusal, const float** cos,
                   const float** sin, bool* per_batch) {
   std::vector<int64_t> cd, sd;
   if (OrtStatus* s = g_api.tensor(ctx, 1, cos, &cd)) return s;
   if (OrtStatus* s = g_api.tensor(ctx, 2, sin, &sd)) return s;
   if (cd != sd || cd.size() != 4 || (cd[0] != 1 && cd[0] != b) || cd[1] != 1 || cd[2] != t || cd[3] != d)
-    return g_api.error(op);
+    return g_api.error(refusal);
   *per_batch = cd[0] != 1;
   return nullptr;
 }

@@ -27,13 +27,13 @@ from onnx import TensorProto, helper, numpy_helper
 from common.targets import session_options
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
 from kernels import DOMAIN, MX_MATMUL, require_library
-from kernels.layout import BLOCK_BYTES
+from kernels.layout import BLOCK_BYTES, GROUP
 
 K, N = 1024, 8192
 ROWS = (1, 2, 3, 5, 9)
 KINDS = ("float32", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
-# The native kinds: (weight bits, activation bits, bytes per block of 32 weights).
-NATIVE = {"mxfp6 native": (6, 16, BLOCK_BYTES), "mxfp6 native8": (6, 8, BLOCK_BYTES), "mxint8 native": (8, 16, BLOCK)}
+# The native kinds: (weight bits, activation bits).
+NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
 
 
 def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, int]:
@@ -44,9 +44,9 @@ def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelP
             inits.append(numpy_helper.from_array((rng.standard_normal((K, N)) * 0.02).astype(np.float32), f"w{i}"))
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
         elif kind in NATIVE:
-            wbits, abits, block_bytes = NATIVE[kind]
-            codes = rng.integers(0, 256, size=(N, K // BLOCK, block_bytes), dtype=np.uint8)
-            exps = rng.integers(115, 125, size=(N, K // BLOCK), dtype=np.uint8)
+            wbits, abits = NATIVE[kind]
+            codes = rng.integers(0, 256, size=(N // GROUP, K // BLOCK, BLOCK_BYTES[wbits]), dtype=np.uint8)
+            exps = rng.integers(115, 125, size=(N // GROUP, K // BLOCK, GROUP), dtype=np.uint8)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
             nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=N,
                                           activation_bits=abits, weight_bits=wbits))
@@ -62,7 +62,7 @@ def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelP
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     if kind in NATIVE:
-        per_weight = (K // BLOCK) * N * (NATIVE[kind][2] + 1)
+        per_weight = (K // BLOCK) * (N // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
     else:
         per_weight = K * N * 4 if kind == "float32" else K * N + (K // BLOCK) * N * 4
     return model, layers * per_weight

@@ -14,7 +14,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from common.graph_io import ModelDims
 
-FORMAT_VERSION = 3  # 2: prepacked weights in the shared weights file; 3: score{k} graphs with measured costs
+FORMAT_VERSION = 4  # 2: prepacked weights in the shared weights file; 3: score{k} graphs with measured costs;
+# 4: MXMatMul weights in groups of 16 columns (kernels/layout.py)
 MANIFEST_NAME = "manifest.json"
 
 

@@ -39,7 +39,7 @@ from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
 from kernels import MX_MATMUL, NATIVE_LOWERINGS
-from kernels.layout import pack_columns, pack_int8_columns
+from kernels.layout import pack_columns, pack_int8_columns, pack_scales
 from quant import element_values, pack_fp6, unpack_fp6
 
 NATIVE_ACTIVATION_BITS = dict(zip(NATIVE_LOWERINGS, (16, 8), strict=True))
@@ -148,12 +148,12 @@ def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
 
 def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list,
                   activation_bits: int) -> None:
-    """MatMul -> ai.mxspd::MXMatMul(A, codes in the kernel's layout, E8M0 bytes [N, K/32])."""
+    """MatMul -> ai.mxspd::MXMatMul(A, codes and E8M0 bytes in the kernel's layout, kernels/layout.py)."""
     _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
     k, n = codes.shape
     int8 = fmt == "int8"
     weights = b.const(name + NATIVE_SUFFIX, pack_int8_columns(codes) if int8 else pack_columns(codes))
-    scales = b.const(name + ".e8m0", np.ascontiguousarray(exps.T))
+    scales = b.const(name + ".e8m0", pack_scales(exps))
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]

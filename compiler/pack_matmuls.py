@@ -2,10 +2,10 @@
 
 Exported, a layer's q, k and v projections are three calls on the same input: three parallel
 dispatches (and, for MXMatMul, three roundings of the same activations). mxspd's kernels store
-weights by output column (MXMatMul: [N, K/32, bytes per block]; RowMatMul: panels of 64 columns,
-[ceil(N/64), K, 64]; kernels/layout.py), so the weights concatenated along their first axis are the
-packed weight, and each output column is computed exactly as before (the same bits) in one call.
-RowMatMul weights pack only where every member but the last fills whole panels.
+weights by groups of output columns (MXMatMul: 16 columns, [ceil(N/16), K/32, bytes per block];
+RowMatMul: panels of 64 columns, [ceil(N/64), K, 64]; kernels/layout.py), so the weights concatenated
+along their first axis are the packed weight, and each output column is computed exactly as before
+(the same bits) in one call. Weights pack only where every member but the last fills whole groups.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from onnx import helper, numpy_helper
 
 from compiler.invariance import Read, Store, drop_dead, initializer_array
 from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL
+from kernels.layout import GROUP, PANEL
 
 SEPARATOR = "|"  # a packed weight's name: its members' names joined (compiler.build checks each survived)
-PANEL = 64  # RowMatMul's columns per panel
+COLUMNS = {MX_MATMUL: GROUP, ROW_MATMUL: PANEL}  # the columns each op's weights group together
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, object]:
@@ -49,8 +50,8 @@ def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, stor
     replaced: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> its packed call and split; others -> []
     for i, members in enumerate(g for g in groups.values() if len(g) > 1):
         sizes = [int(_attributes(m)["N"]) for m in members]
-        if members[0].op_type == ROW_MATMUL and any(n % PANEL for n in sizes[:-1]):
-            continue  # a member's last panel is padded: concatenated panels would not be the packed weight
+        if any(n % COLUMNS[members[0].op_type] for n in sizes[:-1]):
+            continue  # a member's last group is padded: concatenated groups would not be the packed weight
         name = SEPARATOR.join(m.input[1] for m in members)
         weights = [f"{name}.{j}" if j > 1 else name for j in range(1, len(members[0].input))]
         if name not in inits:  # the same weights on another input (shared layers): packed once

@@ -1,21 +1,29 @@
 """The weight layouts mxspd's ops read (kernels/*.cc).
 
-ai.mxspd::MXMatMul (mx_matmul.cc): MXFP6 codes at 6 bits each, or MXINT8 codes at 8 (pack_int8_columns).
-
-Per output column and block of 32 codes c[0..31], 24 bytes: 16 bytes of low nibbles
-(c[j] & 15 | (c[j + 16] & 15) << 4), then 8 bytes of bit pairs: byte j holds the pairs of c[j],
-c[j + 8], c[j + 16], c[j + 24] at bits 0, 2, 4, 6. A code's pair is its sign (bit 0) and whether
-its magnitude is in the lower half, codes 0-15 whose 8 * value is the code itself (bit 1): the
-AVX2 path turns 32 codes into int8 values with one table lookup and a handful of instructions.
-Columns are contiguous, so a decode step streams each weight once, front to back.
+ai.mxspd::MXMatMul (mx_matmul.cc): output columns in groups of 16 (N padded with code 0), blocks of
+32 codes along K (padded with code 0). A group's block is 8 chunks; chunk q holds codes 4q..4q+3 of
+the 16 columns in the order the kernel multiplies them: its byte o (0..63) is code 4q + 2 (o // 32)
++ o % 2 of column (o % 32) // 2, one column's pair of codes per 32-bit lane, for VNNI's int16 pair
+dot products with one column per lane. MXINT8 (pack_int8_columns) keeps those 64 code bytes;
+MXFP6 (pack_columns) packs them to 48 bytes, 6 per 8 codes, code i of the 8 at bits 6i (little
+endian), which the AVX-512 path unpacks with two byte permutes and a multishift. Scales (pack_scales):
+[G, KB, 16] E8M0 bytes. Groups are contiguous, so a call streams each weight once, front to back.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-BLOCK, BLOCK_BYTES = 32, 24
+BLOCK = 32
+GROUP = 16  # MXMatMul's output columns per group: packed weights concatenate along N in whole groups
+CHUNKS = 8
+BLOCK_BYTES = {6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
 PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
+
+# Chunk byte o of chunk q: (column, code) within a group's block.
+_O = np.arange(64)
+_COLUMN = np.broadcast_to((_O % 32) // 2, (CHUNKS, 64))
+_CODE = 4 * np.arange(CHUNKS)[:, None] + 2 * (_O // 32) + _O % 2
 
 
 def pack_panels(weight: np.ndarray) -> np.ndarray:
@@ -27,33 +35,48 @@ def pack_panels(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
-def pack_columns(codes: np.ndarray) -> np.ndarray:
-    """FLOAT6 codes [K, N] (K padded with code 0 to whole blocks) -> uint8 [N, ceil(K/32), 24]."""
+def _chunks(codes: np.ndarray) -> np.ndarray:
+    """Codes [K, N] -> [G, KB, 8, 64] in the kernel's byte order (padding with code 0)."""
     k, n = codes.shape
-    kb = -(-k // BLOCK)
-    c = np.zeros((n, kb * BLOCK), dtype=np.uint8)
-    c[:, :k] = codes.T
-    c = c.reshape(n, kb, BLOCK)
-    low = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
-    top = ((c >> 5) & 1) | ((((c >> 4) & 1) ^ 1) << 1)  # sign, lower-half magnitude
-    high = top[..., 0:8] | (top[..., 8:16] << 2) | (top[..., 16:24] << 4) | (top[..., 24:32] << 6)
-    return np.ascontiguousarray(np.concatenate([low, high], axis=-1), dtype=np.uint8)
+    kb, groups = -(-k // BLOCK), -(-n // GROUP)
+    c = np.zeros((groups * GROUP, kb * BLOCK), dtype=codes.dtype)
+    c[:n, :k] = codes.T
+    c = c.reshape(groups, GROUP, kb, BLOCK).transpose(0, 2, 1, 3)  # [G, KB, column, code]
+    return c[:, :, _COLUMN, _CODE]
+
+
+def pack_columns(codes: np.ndarray) -> np.ndarray:
+    """FLOAT6 codes uint8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 384]."""
+    chunks = _chunks(codes)
+    eights = chunks.astype(np.uint64).reshape(*chunks.shape[:3], 8, 8)
+    bits = (eights << (6 * np.arange(8, dtype=np.uint64))).sum(axis=-1, dtype=np.uint64)  # 48 bits per 8 codes
+    low6 = bits[..., None].view(np.uint8)[..., :6]  # little-endian: the low 6 bytes
+    return np.ascontiguousarray(low6.reshape(*chunks.shape[:2], BLOCK_BYTES[6]))
 
 
 def pack_int8_columns(codes: np.ndarray) -> np.ndarray:
-    """MXINT8 codes int8 [K, N] -> uint8 [N, ceil(K/32), 32] (two's complement bytes; K padded with 0)."""
-    k, n = codes.shape
-    kb = -(-k // BLOCK)
-    c = np.zeros((n, kb * BLOCK), dtype=np.int8)
-    c[:, :k] = codes.T
-    return np.ascontiguousarray(c.view(np.uint8).reshape(n, kb, BLOCK))
+    """MXINT8 codes int8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 512] (two's complement bytes)."""
+    chunks = _chunks(codes)
+    return np.ascontiguousarray(chunks.view(np.uint8).reshape(*chunks.shape[:2], BLOCK_BYTES[8]))
 
 
-def unpack_columns(packed: np.ndarray, k: int) -> np.ndarray:
-    """The inverse of `pack_columns`: uint8 [N, KB, 24] -> codes [K, N]."""
-    low, high = packed[..., :16], packed[..., 16:]
-    lo = np.concatenate([low & 15, low >> 4], axis=-1)
-    pair = np.concatenate([(high >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
-    top = ((pair & 1) << 1) | ((pair >> 1) ^ 1)  # sign, upper-half magnitude: the code's bits 5, 4
-    codes = (lo | (top << 4)).reshape(packed.shape[0], -1)
-    return np.ascontiguousarray(codes[:, :k].T)
+def pack_scales(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 exponents uint8 [KB, N] -> [ceil(N/16), KB, 16] (padded columns: 127, a scale of 1 on code 0)."""
+    kb, n = exponents.shape
+    groups = -(-n // GROUP)
+    out = np.full((groups * GROUP, kb), 127, dtype=np.uint8)
+    out[:n] = exponents.T
+    return np.ascontiguousarray(out.reshape(groups, GROUP, kb).transpose(0, 2, 1))
+
+
+def unpack_columns(packed: np.ndarray, k: int, n: int) -> np.ndarray:
+    """The inverse of `pack_columns`: uint8 [G, KB, 384] -> codes [K, N]."""
+    groups, kb = packed.shape[:2]
+    six = np.zeros((groups, kb, CHUNKS, 8, 8), dtype=np.uint8)
+    six[..., :6] = packed.reshape(groups, kb, CHUNKS, 8, 6)
+    bits = six.view(np.uint64)[..., 0]  # [G, KB, 8 chunks, 8 groups of 8 codes]
+    chunks = ((bits[..., None] >> (6 * np.arange(8, dtype=np.uint64))) & 63).astype(np.uint8).reshape(
+        groups, kb, CHUNKS, 64)
+    c = np.zeros((groups, kb, GROUP, BLOCK), dtype=np.uint8)
+    c[:, :, _COLUMN, _CODE] = chunks
+    return np.ascontiguousarray(c.transpose(0, 2, 1, 3).reshape(groups * GROUP, kb * BLOCK)[:n, :k].T)

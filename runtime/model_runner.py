@@ -47,7 +47,7 @@ class _BoundGraph:
     position_ids: np.ndarray
     mask: np.ndarray
     logits: np.ndarray
-    new_kv: list[np.ndarray]  # new_key.0, new_value.0, new_key.1, ... (host cache only)
+    new_kv: np.ndarray  # host cache only: new KV of all layers [2L, 1, H, T, D] (new_key.0, new_value.0, ...)
     on_device: dict[str, ort.OrtValue] | None = None  # device cache: the bound buffers, by input/output name
     new_stack: ort.OrtValue | None = None  # device cache: new KV of all layers [2L, 1, H, T, D]
 
@@ -103,8 +103,10 @@ class ModelRunner:
         if on_device:
             store = Path(artifact_dir) / Path(entry.weights).parent / graph_io.KV_STORE_FILE
             self.kv = DeviceKV(store, d, slots, target, providers(target), compiled_session_options(target, threads))
-        kv_shape = (1, d.n_kv_heads, slots, d.head_dim)
-        self.cache = [] if self.kv is not None else [np.zeros(kv_shape, d.kv_dtype) for _ in range(2 * d.n_layers)]
+        # Host cache: every layer's K and V in one array, so a step's new rows are stored in one copy.
+        layers = 0 if self.kv is not None else 2 * d.n_layers
+        self.cache_stack = np.zeros((layers, 1, d.n_kv_heads, slots, d.head_dim), d.kv_dtype)
+        self.cache = list(self.cache_stack)  # past_key.0, past_value.0, ...: views, bound to every graph
         self.length = 0
         self.history = np.zeros(slots, dtype=np.int64)  # the token in each committed slot
         self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
@@ -133,7 +135,7 @@ class ModelRunner:
             position_ids=np.zeros((1, tokens), dtype=np.int64),
             mask=np.zeros((1, tokens, c + tokens), dtype=bool),
             logits=np.zeros((1, tokens, d.vocab_size), dtype=np.float32),
-            new_kv=[np.zeros((1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype) for _ in self.cache],
+            new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
         )
         if self.kv is not None:
             self._bind_device(g)
@@ -262,11 +264,11 @@ class ModelRunner:
                 self.kv.store(self._last.new_stack, rows, slots)
             return
         chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
-        for cache, new in zip(self.cache, self._last.new_kv, strict=True):
-            if chain:  # contiguous on both sides: one slice copy
-                cache[:, :, slots[0] : slots[0] + m] = new[:, :, :m]
-            else:
-                cache[:, :, slots] = new[:, :, rows]
+        new = self._last.new_kv
+        if chain:  # contiguous on both sides: one slice copy
+            self.cache_stack[..., slots[0] : slots[0] + m, :] = new[..., :m, :]
+        else:
+            self.cache_stack[..., slots, :] = new[..., rows, :]
 
     def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
         """Process a chain of tokens and commit all of them; return their logits [n, V]."""

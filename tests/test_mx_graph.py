@@ -273,7 +273,8 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
             w, e8m0 = inits[n.input[1]], inits[n.input[2]]
             attrs = {a.name: a.i for a in n.attribute}
             k, n_out = attrs["K"], attrs["N"]
-            assert list(w.dims) == [n_out, -(-k // 32), 24] and list(e8m0.dims) == [n_out, -(-k // 32)]
+            groups, kb = -(-n_out // 16), -(-k // 32)
+            assert list(w.dims) == [groups, kb, 384] and list(e8m0.dims) == [groups, kb, 16]
         if kind in ("fused", "native"):
             assert not [t for t in inits if t.endswith("proj.weight.T")], "a full-precision decoder weight"
 

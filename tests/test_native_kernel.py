@@ -22,7 +22,7 @@ import kernels
 from common.targets import session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
-from kernels.layout import pack_columns, pack_int8_columns, unpack_columns
+from kernels.layout import pack_columns, pack_int8_columns, pack_scales, unpack_columns
 from quant import element_values, fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
@@ -36,19 +36,26 @@ def test_library_is_built_where_a_compiler_is():
     assert kernels.library_path() is not None, "pip install found a compiler but did not build kernels/_mxspd_ort"
 
 
-def test_int8_layout_keeps_two_complement_codes_by_column():
-    codes = np.random.default_rng(0).integers(-127, 128, (70, 5)).astype(np.int8)
+def test_int8_layout_keeps_two_complement_codes_in_the_kernels_order():
+    codes = np.random.default_rng(0).integers(-127, 128, (70, 19)).astype(np.int8)
     packed = pack_int8_columns(codes)
-    assert packed.shape == (5, 3, 32) and packed.dtype == np.uint8  # 8.25 bits per weight with the scale
-    np.testing.assert_array_equal(packed.view(np.int8).reshape(5, -1)[:, :70], codes.T)
-    assert not packed.reshape(5, -1)[:, 70:].any()
+    assert packed.shape == (2, 3, 512) and packed.dtype == np.uint8  # 8.25 bits per weight with the scale
+    chunk = packed[1, 1, 64 * 3: 64 * 4].view(np.int8)  # group 1 (columns 16-31), block 1, chunk 3
+    # byte o: code 4q + 2 (o // 32) + o % 2 of column (o % 32) // 2; K = 70 and N = 19 padded with 0
+    for o in (0, 1, 6, 7, 32, 33, 38):
+        column, code = 16 + (o % 32) // 2, 32 + 12 + 2 * (o // 32) + o % 2
+        assert chunk[o] == (codes[code, column] if column < 19 else 0), o
+    assert packed[0, 0, :4].view(np.int8).tolist() == [*codes[:2, 0], *codes[:2, 1]]
+    assert not packed[0, 2, 64 * 3:].any()  # block 2 from code 64 + 12 on: K padding
 
 
 def test_layout_round_trips_every_code():
-    codes = np.random.default_rng(0).integers(0, 64, (70, 5)).astype(np.uint8)
+    codes = np.random.default_rng(0).integers(0, 64, (70, 37)).astype(np.uint8)
     packed = pack_columns(codes)
-    assert packed.shape == (5, 3, 24)  # K = 70 padded to 3 blocks; 24 bytes (6.25 bits with the scale) per block
-    np.testing.assert_array_equal(unpack_columns(packed, 70), codes)
+    assert packed.shape == (3, 3, 384)  # N = 37: 3 groups of 16; K = 70: 3 blocks; 6 bits per code
+    np.testing.assert_array_equal(unpack_columns(packed, 70, 37), codes)
+    scales = pack_scales(np.arange(3 * 37, dtype=np.uint8).reshape(3, 37))
+    assert scales.shape == (3, 3, 16) and scales[2, 1, 4] == 37 + 36 and scales[2, 1, 5] == 127  # padding
 
 
 def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list) -> onnx.ModelProto:
@@ -61,7 +68,7 @@ def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list)
     graph = helper.make_graph(
         [node], "mx", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(np.ascontiguousarray(exps.T), "s")])
+        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(pack_scales(exps), "s")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
 
 

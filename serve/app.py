@@ -25,7 +25,7 @@ import uuid
 import warnings
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -77,6 +77,10 @@ class ChatRequest(Sampling):
 
 class BadRequest(ValueError):
     pass
+
+
+class Unauthorized(Exception):
+    """No API key, or the wrong one, on a /v1/ route."""
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
@@ -143,14 +147,19 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     app.state.scheduler = scheduler
     started = time.time()
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
-                              code="invalid_api_key")
-        return await call_next(request)
+    async def authorize(request: Request) -> None:
+        """A dependency of the /v1/ routes, not an HTTP middleware: Starlette's middleware passes every
+        stream chunk through a task and a memory stream of its own, on the thread the scheduler shares."""
+        given = request.headers.get("authorization", "")
+        if api_key and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise Unauthorized
+
+    v1 = [Depends(authorize)]
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(_: Request, __: Unauthorized) -> JSONResponse:
+        return _error(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                      code="invalid_api_key")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -170,7 +179,7 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(started),
                                             "owned_by": "mxspd"}]}
@@ -179,12 +188,12 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest):
         _check_model(body, name)
         return await _serve(art, scheduler, body, encode(art, body.prompt), "text_completion", speculation)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(body: ChatRequest):
         _check_model(body, name)
         if not art.tokenizer.chat_template:

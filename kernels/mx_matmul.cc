@@ -23,7 +23,7 @@
 // 16 dot products, one conversion, one scale product and one fma per 16 columns and block.
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
-// AVX2 with BMI2 (4 rows per pass), portable; all three give the same bits (tests/test_native_kernel.py).
+// AVX2 with BMI2 (up to 6 rows per pass), portable; all three give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -161,7 +161,8 @@ struct Activations {
     if (m == 0.0f) return;
     const __m256 inv = _mm256_set1_ps(qmax / m);
     for (int i = 0; i < 4; i += 2) {
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
       // packs works within 128-bit lanes: put the 16 results back in order
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i),
                           _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
@@ -194,7 +195,8 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
   for (int64_t b = 0; b < p.kb; ++b) {
     int32_t w[kGroup][kBlock];  // [column][code]
     for (int q = 0; q < kChunks; ++q)
-      for (int o = 0; o < 64; ++o) w[(o % 32) / 2][4 * q + 2 * (o / 32) + o % 2] = weight_at<WBits>(p.block(g, b), q, o);
+      for (int o = 0; o < 64; ++o)
+        w[(o % 32) / 2][4 * q + 2 * (o / 32) + o % 2] = weight_at<WBits>(p.block(g, b), q, o);
     const uint8_t* e = p.exponents(g, b);
     for (int r = 0; r < rows; ++r) {
       const int16_t* x = p.x(row0 + r, b);
@@ -210,7 +212,7 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
 }
 
 #ifdef MXSPD_X86
-// ---- AVX2 (with BMI2's pdep): 8 columns per register, 4 rows per pass --------------------------------
+// ---- AVX2 (with BMI2's pdep): 8 columns per register, up to 6 rows per pass -------------------------
 
 // The 64 integer weights of chunk q, in its byte order (two registers of 32).
 template <int WBits>
@@ -220,9 +222,11 @@ __attribute__((target("avx2,fma,bmi2"))) inline void chunk_avx2(const uint8_t* c
     *hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
   } else {
     int64_t codes[8];  // 8 six-bit codes -> 8 bytes (pdep reads the low 48 bits)
-    for (int i = 0; i < 8; ++i) codes[i] = static_cast<int64_t>(_pdep_u64(eight_codes(chunk, i), 0x3F3F3F3F3F3F3F3Full));
-    const __m256i high = _mm256_broadcastsi128_si256(_mm_setr_epi8(16, 18, 20, 22, 24, 26, 28, 30, 32, 36, 40, 44, 48,
-                                                                   52, 56, 60));
+    for (int i = 0; i < 8; ++i)
+      codes[i] = static_cast<int64_t>(_pdep_u64(eight_codes(chunk, i), 0x3F3F3F3F3F3F3F3Full));
+    // 8 * value of the magnitudes 16-31 (codes 0-15: the code itself), for a 16-entry shuffle
+    const __m128i upper_half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kCodes.weight + 16));
+    const __m256i high = _mm256_broadcastsi128_si256(upper_half);
     for (int h = 0; h < 2; ++h) {
       const __m256i c = _mm256_setr_epi64x(codes[4 * h], codes[4 * h + 1], codes[4 * h + 2], codes[4 * h + 3]);
       const __m256i lo4 = _mm256_and_si256(c, _mm256_set1_epi8(15));
@@ -245,7 +249,8 @@ __attribute__((target("avx2,fma,bmi2"))) void group_avx2(const Problem<WBits>& p
       chunk_avx2<WBits>(p.block(g, b) + q * kChunkBytes<WBits>, &lo, &hi);
       for (int h = 0; h < 2; ++h) {
         const __m256i v = h ? hi : lo;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w[2 * q + h][0]), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w[2 * q + h][0]),
+                           _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(w[2 * q + h][1]),
                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
       }
@@ -305,8 +310,10 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline void chunk_avx512(const uint8_
   if constexpr (WBits == 8) {
     v = _mm512_loadu_si512(chunk);
   } else {
-    const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk))),
-                                           _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32))), 1);  // 48 bytes
+    // 48 bytes by two plain loads: a masked 48-byte load made the whole call 3x slower (AMD EPYC)
+    const __m256i head = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+    const __m128i tail = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32));
+    const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(head), _mm256_castsi128_si256(tail), 1);
     const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(kChunk.offsets),
                                                        _mm512_permutexvar_epi8(_mm512_load_si512(kChunk.spread), raw));
     v = _mm512_permutexvar_epi8(codes, _mm512_load_si512(kCodes.weight));  // the permute reads bits 0-5

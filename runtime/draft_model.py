@@ -28,6 +28,8 @@ class DraftModelDrafter:
         self.pending: list[int] = []
         self.kept = 0  # DLM cache length after catching up: the root's slot + 1
         self.behind_s = 0.0
+        self.ran: set[str] = set()  # DLM graphs run so far (a graph's first runs are cold)
+        self.cold = False  # this round ran a DLM graph for the first time
         self.k_used: dict[int, int] = {}
         self.calls0 = dlm.calls
 
@@ -46,11 +48,19 @@ class DraftModelDrafter:
             return self.dlm.forward(graph_io.CATCHUP, pending)[-1]
         return self.dlm.prefill(pending)  # after plain decode rounds
 
+    def _graphs(self, k: int) -> set[str]:
+        """The DLM graphs a round of k drafts runs: its catch-up's, and decode for drafts after the first."""
+        n = len(self.pending)
+        catch_up = graph_io.DECODE if n == 1 else graph_io.CATCHUP if n == 2 else graph_io.PREFILL
+        return {catch_up} | ({graph_io.DECODE} if k > 1 else set())
+
     def propose(self, committed: list[int], room: int) -> Proposal:
         k = self.policy.choose(room)
         if k == 0:  # drafting does not pay now (or no room): a plain decode step
             return Proposal()
         self.k_used[k] = self.k_used.get(k, 0) + 1
+        graphs = self._graphs(k)
+        self.cold, self.ran = not graphs <= self.ran, self.ran | graphs
         t0 = time.perf_counter()
         logits = self._catch_up()
         # A catch-up on more than a round's 1-2 tokens pays for earlier plain steps: not this k's cost.
@@ -76,8 +86,8 @@ class DraftModelDrafter:
             self.pending = [int(proposal.tokens[-1]), emitted[-1]] if accepted == k else emitted[-1:]
         else:
             self.pending.append(emitted[-1])
-        self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3, self.behind_s * 1e3)
-        self.behind_s = 0.0
+        self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3, self.behind_s * 1e3, self.cold)
+        self.behind_s, self.cold = 0.0, False
 
     def summary(self) -> dict:
         return {"k": self.policy.k_max, "draft_lengths_used": dict(sorted(self.k_used.items())),

@@ -15,10 +15,10 @@ call) it decodes plainly and speculation costs no more than autoregressive decod
 estimation error.
 
 Costs start from the compiler's measurements (manifest). With `adapt_costs` they follow what this
-process measures (the first measurement of a k replaces its estimate, later ones are averaged in),
-since the machine, its load, host work and the interplay of sessions differ; the first rounds are
-then plain steps, to measure what drafting must beat. The runtime adapts only when the TLM is
-greedy, where the output does not depend on k. When it samples, choices must depend on nothing
+process measures (the faster of a k's first two warm rounds replaces its estimate, later ones are
+averaged in), since the machine, its load, host work and the interplay of sessions differ; the
+first rounds are then plain steps, to measure what drafting must beat. The runtime adapts only when
+the TLM is greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
 estimate starts at a prior worth a few drafts. After a run of plain rounds the policy drafts once
 (a probe), so a generation whose text turns predictable later is noticed: with the smallest k, or
@@ -77,6 +77,7 @@ class DraftPolicy:
         self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
         self.cost[0] = decode
         self.measured: set[int] = set()
+        self.first: dict[int, float] = {}  # a draft length's first warm round, until a second confirms it
         self.tried: set[int] = set()  # draft lengths run at least once (whose sessions are warm)
         self.plain_wanted = 2  # warm plain steps to measure before drafting (first, and on re-measuring)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
@@ -151,18 +152,21 @@ class DraftPolicy:
         self.wait = self.probe_every
         self.last_k = None
 
-    def observe(self, k: int, accepted: int, round_ms: float, catch_up_ms: float = 0.0) -> None:
+    def observe(self, k: int, accepted: int, round_ms: float, catch_up_ms: float = 0.0, cold: bool = False) -> None:
         """A finished round: k drafted (0: a decode step), how many were accepted, its wall time
         (without `catch_up_ms`, the drafter's catch-up on earlier plain steps, which prices probes).
 
         A plain step right after drafting (or first in a generation) runs a decode session that sat
         idle and costs more than the steady plain decoding it stands for; the first round of a draft
-        length runs its scoring session for the first time. Neither is measured: a cold first
-        measurement, rescaling the others, could keep the policy off the best draft length for good."""
-        cold = self.last_k != 0 if k == 0 else k not in self.tried
+        length runs its scoring session for the first time; `cold`: the drafter ran a graph of its
+        own for the first time (its first catch-up, its first 2-token catch-up). None is measured: a
+        cold first measurement, rescaling the others, could keep the policy off the best draft length
+        for good (on stdlib-wide-spd a first DLM prefill of 5.9 ms, against 1.1-1.8 warm, spaced
+        probes ~230 plain steps apart, and a draft accepted 0.8 of the time went unused)."""
+        cold = cold or (self.last_k != 0 if k == 0 else k not in self.tried)
         self.last_k = k
         self.tried.add(k)
-        if catch_up_ms > 0:
+        if catch_up_ms > 0 and not cold:  # the first catch-up also opened the drafter's sessions
             self.catch_up = catch_up_ms
         if self.adapt_costs and not cold:
             if k == 0:
@@ -171,9 +175,12 @@ class DraftPolicy:
                 self.cost[k] += self.smoothing * (round_ms - self.cost[k])
                 if k == 0:  # a faster plain step counts at once: underrating plain decoding can lose
                     self.cost[0] = min(self.cost[0], round_ms)
-            else:  # a first measurement replaces the estimate, and rescales the unmeasured drafting ones
-                scale = round_ms / self.cost[k]
-                self.cost[k] = round_ms
+            elif k and k not in self.first:  # one round of a draft length can be a spike (a DLM graph's
+                self.first[k] = round_ms     # second run took 7.6 ms against 1.9): wait for another
+            else:  # a first measurement (drafting: the faster of two) replaces the estimate, and rescales
+                measured = min(round_ms, self.first.pop(k, round_ms))  # the unmeasured drafting ones
+                scale = measured / self.cost[k]
+                self.cost[k] = measured
                 self.measured.add(k)
                 if k:
                     for j in self.cost:

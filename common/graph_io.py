@@ -56,7 +56,7 @@ def score_graph(k: int) -> str:
 def draft_lengths(k_max: int) -> tuple[int, ...]:
     """The compiled draft lengths: 1, 2, 3, 4, then powers of two and one less, and k_max itself.
     A score graph of T = 2^i rows (k = 2^i - 1) also runs 2^i requests' newest tokens in one call
-    when serving, with no padding row (a row costs as much as a token: ~8% of a call of 8)."""
+    when serving, with no padding row (the default recipe's serving build: score7 7.5 ms, score8 8.6)."""
     powers = {2**i for i in range(2, 12)}
     ks = {k for k in {1, 2, 3, 4} | powers | {p - 1 for p in powers} if k <= k_max} | {k_max}
     return tuple(sorted(ks))

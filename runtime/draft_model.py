@@ -39,20 +39,19 @@ class DraftModelDrafter:
         self.dlm.rewind(0)
         self.pending = list(committed)
 
+    def _catch_up_graph(self) -> str:
+        """The DLM graph that feeds it the pending tokens: prefill after plain decode rounds."""
+        n = len(self.pending)
+        return graph_io.DECODE if n == 1 else graph_io.CATCHUP if n == 2 else graph_io.PREFILL
+
     def _catch_up(self) -> np.ndarray:
         """Feed the DLM the committed tokens it has not seen; returns the last one's logits."""
-        pending = np.array(self.pending)
-        if len(pending) == 1:
-            return self.dlm.forward(graph_io.DECODE, pending)[0]
-        if len(pending) == 2:
-            return self.dlm.forward(graph_io.CATCHUP, pending)[-1]
-        return self.dlm.prefill(pending)  # after plain decode rounds
+        pending, graph = np.array(self.pending), self._catch_up_graph()
+        return self.dlm.prefill(pending) if graph == graph_io.PREFILL else self.dlm.forward(graph, pending)[-1]
 
     def _graphs(self, k: int) -> set[str]:
         """The DLM graphs a round of k drafts runs: its catch-up's, and decode for drafts after the first."""
-        n = len(self.pending)
-        catch_up = graph_io.DECODE if n == 1 else graph_io.CATCHUP if n == 2 else graph_io.PREFILL
-        return {catch_up} | ({graph_io.DECODE} if k > 1 else set())
+        return {self._catch_up_graph()} | ({graph_io.DECODE} if k > 1 else set())
 
     def propose(self, committed: list[int], room: int) -> Proposal:
         k = self.policy.choose(room)

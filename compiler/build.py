@@ -40,6 +40,7 @@ from compiler.float16 import KV_DTYPE, to_float16
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.kv_store import store_graph
 from compiler.layouts import fold_layouts, tensor_shapes
+from compiler.matmul_prologue import fuse_matmul_prologues
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
@@ -161,7 +162,11 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
             if target not in FLOAT16_TARGETS:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
-                if fuse_skip_norms(optimised, shapes) + (fuse_swiglu(optimised) if invariant else 0):
+                fusions = fuse_skip_norms(optimised, shapes)
+                if invariant:
+                    fusions += fuse_swiglu(optimised)
+                    fusions += fuse_matmul_prologues(optimised)
+                if fusions:
                     save_graph(optimised, path)
             if quant:
                 _check_lowered(optimised, name, lowering, lowered)

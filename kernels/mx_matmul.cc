@@ -28,6 +28,13 @@
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
 //
+// prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
+// node of its own (compiler/matmul_prologue.py):
+//   0: none: A [..., K].
+//   1: SwiGLU: A [..., 2K] is a packed gate and up projection; the rows are swiglu_row(A).
+//   2: residual RMS norm: inputs 3 (skip, A's shape) and 4 (gamma [K]), attribute epsilon; the rows are
+//      skip_rms_row's norm of A + skip, and output 1 is the sum A + skip (the next residual).
+//
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -36,6 +43,7 @@
 #include <utility>
 
 #include "ort_api.h"
+#include "prologue.h"
 
 namespace mxspd {
 namespace {
@@ -418,35 +426,71 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
 
 // ---- the op ---------------------------------------------------------------------------------------
 
+enum Prologue : int64_t { kNone = 0, kSwiGLU = 1, kSkipRms = 2 };
+
 struct Kernel {
-  int64_t k, n, activation_bits, weight_bits;
+  int64_t k, n, activation_bits, weight_bits, prologue;
+  float epsilon;
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   int64_t k = 0, n = 0;
   if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
   if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
-  int64_t bits = 16, wbits = 6;
+  int64_t bits = 16, wbits = 6, prologue = kNone;
   g_api.optional_attribute(info, "activation_bits", 16, &bits);
   g_api.optional_attribute(info, "weight_bits", 6, &wbits);
+  g_api.optional_attribute(info, "prologue", kNone, &prologue);
+  float epsilon = 1e-5f;
+  if (prologue == kSkipRms)
+    if (OrtStatus* s = g_api.attribute(info, "epsilon", &epsilon)) return s;
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
   if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  *out = new (std::nothrow) Kernel{k, n, bits, wbits};
+  if (prologue < kNone || prologue > kSkipRms) return g_api.error("MXMatMul: prologue must be 0, 1 or 2");
+  *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon};
   return *out ? nullptr : g_api.error("MXMatMul: out of memory");
+}
+
+// The rows the matmul rounds where a prologue runs: its rows of A (and skip, gamma), in a buffer reused
+// call after call by the thread that runs the op; output 1 written for the residual norm.
+OrtStatus* prologue_rows(const Kernel& kernel, OrtKernelContext* ctx, const float* a,
+                         const std::vector<int64_t>& adims, int64_t m, const float** rows) {
+  thread_local std::vector<float> x, scratch;
+  const int64_t k = kernel.k;
+  x.resize(m * k);
+  if (kernel.prologue == kSwiGLU) {
+    scratch.resize(k);
+    for (int64_t r = 0; r < m; ++r) swiglu_row(a + r * 2 * k, k, x.data() + r * k, scratch.data());
+  } else {
+    const float *skip = nullptr, *gamma = nullptr;
+    std::vector<int64_t> sdims, gdims;
+    if (OrtStatus* st = g_api.tensor(ctx, 3, &skip, &sdims)) return st;
+    if (OrtStatus* st = g_api.tensor(ctx, 4, &gamma, &gdims)) return st;
+    if (sdims != adims || gdims != std::vector<int64_t>{k})
+      return g_api.error("MXMatMul: prologue 2 needs skip (input 3) of A's shape and gamma (input 4) [K]");
+    float* sum = nullptr;
+    if (OrtStatus* st = g_api.output_data(ctx, 1, adims, &sum)) return st;
+    for (int64_t r = 0; r < m; ++r)
+      skip_rms_row(a + r * k, skip + r * k, gamma, k, kernel.epsilon, sum + r * k, x.data() + r * k);
+  }
+  *rows = x.data();
+  return nullptr;
 }
 
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
-  const OrtValue *a = nullptr, *w = nullptr, *s = nullptr;
-  for (auto [i, v] : {std::pair<size_t, const OrtValue**>{0, &a}, {1, &w}, {2, &s}})
-    if (OrtStatus* st = g_api.input(ctx, i, v)) return st;
+  const float* a = nullptr;
   std::vector<int64_t> adims, wdims, sdims;
-  for (auto [v, d] : {std::pair<const OrtValue*, std::vector<int64_t>*>{a, &adims}, {w, &wdims}, {s, &sdims}})
+  if (OrtStatus* st = g_api.tensor(ctx, 0, &a, &adims)) return st;
+  const OrtValue *w = nullptr, *s = nullptr;
+  for (auto [i, v] : {std::pair<size_t, const OrtValue**>{1, &w}, {2, &s}})
+    if (OrtStatus* st = g_api.input(ctx, i, v)) return st;
+  for (auto [v, d] : {std::pair<const OrtValue*, std::vector<int64_t>*>{w, &wdims}, {s, &sdims}})
     if (OrtStatus* st = g_api.shape(v, d)) return st;
   const int64_t kb = (kernel.k + kBlock - 1) / kBlock;
-  if (adims.empty() || adims.back() != kernel.k)
-    return g_api.error("MXMatMul: the last dimension of A must equal attribute K");
+  if (adims.empty() || adims.back() != (kernel.prologue == kSwiGLU ? 2 : 1) * kernel.k)
+    return g_api.error("MXMatMul: the last dimension of A must equal attribute K (2K with prologue 1, SwiGLU)");
   const int64_t groups = (kernel.n + kGroup - 1) / kGroup;
   const int64_t block_bytes = kernel.weight_bits == 8 ? kGroupBlockBytes<8> : kGroupBlockBytes<6>;
   if (wdims != std::vector<int64_t>{groups, kb, block_bytes} || sdims != std::vector<int64_t>{groups, kb, kGroup})
@@ -456,14 +500,15 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
   std::vector<int64_t> ydims = adims;
   ydims.back() = kernel.n;
-  OrtValue* y = nullptr;
-  if (OrtStatus* st = g_api.output(ctx, 0, ydims.data(), ydims.size(), &y)) return st;
-  void *pa = nullptr, *pw = nullptr, *ps = nullptr, *py = nullptr;
-  for (auto [v, d] : {std::pair<const OrtValue*, void**>{a, &pa}, {w, &pw}, {s, &ps}, {y, &py}})
+  float* out = nullptr;
+  if (OrtStatus* st = g_api.output_data(ctx, 0, ydims, &out)) return st;
+  void *pw = nullptr, *ps = nullptr;
+  for (auto [v, d] : {std::pair<const OrtValue*, void**>{w, &pw}, {s, &ps}})
     if (OrtStatus* st = g_api.data(v, d)) return st;
+  const float* rows = a;
+  if (kernel.prologue != kNone)
+    if (OrtStatus* st = prologue_rows(kernel, ctx, a, adims, m, &rows)) return st;
   if (m == 0) return nullptr;
-  const auto* rows = static_cast<const float*>(pa);
-  auto* out = static_cast<float*>(py);
   const int bits = static_cast<int>(kernel.activation_bits);
   return kernel.weight_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits)
                                  : run<6>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits);
@@ -472,10 +517,16 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
 }  // namespace
 
 const OrtCustomOp* mx_matmul_op() {
-  static const OrtCustomOp op = make_op(
-      [](const OrtCustomOp*) { return "MXMatMul"; }, [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kUint8; },
-      [](const OrtCustomOp*) -> size_t { return 3; }, create_kernel, compute,
-      [](void* k) { delete static_cast<Kernel*>(k); });
+  static const OrtCustomOp op = [] {
+    OrtCustomOp o = make_op(
+        [](const OrtCustomOp*) { return "MXMatMul"; },
+        [](const OrtCustomOp*, size_t i) { return i == 1 || i == 2 ? kUint8 : kFloat; },
+        [](const OrtCustomOp*) -> size_t { return 5; }, create_kernel, compute,
+        [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 2; });
+    o.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= 3 ? kOptional : kRequired; };
+    o.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= 1 ? kOptional : kRequired; };
+    return o;
+  }();
   return &op;
 }
 

@@ -34,6 +34,7 @@ struct OrtSessionOptions;
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor arrived in 1.17
 constexpr int kOrtFail = 1;          // OrtErrorCode
 constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
+constexpr int kRequired = 0, kOptional = 1;  // OrtCustomOpInputOutputCharacteristic
 
 struct OrtApiBase {
   const void* const* (*GetApi)(uint32_t version);
@@ -180,8 +181,8 @@ inline OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), int (*input_
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
   op.GetOutputTypeCount = outputs;
   op.KernelDestroy = destroy;
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };   // required
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };  // required
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
   op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };       // default (CPU)
   op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
   op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };

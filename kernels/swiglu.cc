@@ -4,17 +4,14 @@
 // Why: after ONNX Runtime's own fusions this is a Split, a QuickGelu and a Mul per layer, each a few
 // microseconds of dispatch on a decode step's 1536 floats (compiler/swiglu.py).
 //
-// Semantics: sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, with e = exp(-|g|) from exp.h
-// (the same bits on every code path; not the C library's, nor QuickGelu's, so the result differs from
-// the unfused graph in the last bits); then (g * sigmoid(g)) * u, each rounded once. Every row is computed
-// alone (batch invariance).
+// Semantics: kernels/prologue.h's swiglu_row (its sigmoid is its own, not the C library's nor QuickGelu's,
+// so the result differs from the unfused graph in the last bits). MXMatMul computes the same bits as its
+// `prologue` where the gate feeds it alone.
 
-#include <cmath>
-#include <new>
 #include <vector>
 
-#include "exp.h"
 #include "ort_api.h"
+#include "prologue.h"
 
 namespace mxspd {
 namespace {
@@ -32,16 +29,7 @@ OrtStatus* compute(void*, OrtKernelContext* ctx) {
   if (OrtStatus* s = g_api.output_data(ctx, 0, dims, &y)) return s;
   thread_local std::vector<float> e;  // reused call after call by the thread that runs the op
   e.resize(f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float *g = x + r * 2 * f, *u = g + f;
-    for (int64_t i = 0; i < f; ++i) e[i] = -std::fabs(g[i]);
-    probabilities(e.data(), f, 0.0f, e.data());
-    float* out = y + r * f;
-    for (int64_t i = 0; i < f; ++i) {
-      const float sigmoid = (g[i] >= 0.0f ? 1.0f : e[i]) / (1.0f + e[i]);
-      out[i] = g[i] * sigmoid * u[i];
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) swiglu_row(x + r * 2 * f, f, y + r * f, e.data());
   return nullptr;
 }
 

@@ -2,8 +2,8 @@
 into the kernels (compiler/layouts.py), packed MXMatMuls (compiler/pack_matmuls.py) and the packed
 q/k/v split into heads (compiler/split_heads.py) give the same bits as the nodes they replace; the
 residual norms (compiler/skip_norm.py) and the MLP gate (compiler/swiglu.py) the same values within
-float32 rounding; on small graphs and on whole compiled models; patterns that are not theirs stay as
-exported."""
+float32 rounding, and both folded into MXMatMul (compiler/matmul_prologue.py) the bits of those ops;
+on small graphs and on whole compiled models; patterns that are not theirs stay as exported."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ import runtime
 from common.targets import session_options
 from compiler import build
 from compiler.layouts import tensor_shapes
+from compiler.matmul_prologue import fuse_matmul_prologues
 from compiler.rotary import fuse_rotary
 from compiler.skip_norm import fuse_skip_norms
 from export.pipeline import build_artifact
+from kernels.layout import pack_columns, pack_scales
 from tests.conftest import FORMATS, tiny_recipe
+from tests.test_native_kernel import random_mx
 
 needs_library = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 T, H, D = 5, 3, 8
@@ -93,7 +96,8 @@ def test_what_is_not_rotate_half_is_left_alone(kw):
 def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpoints, tmp_path, monkeypatch):
     """Every graph of a Llama- or Qwen2-shaped model has its rotary embeddings fused and no Neg left,
     one matmul call for gate/up (and for q/k/v in MXFP6: float32 k and v fill half a panel here), one
-    SwiGLU per layer, and every residual Add in a SkipSimplifiedLayerNormalization. Where the packed
+    SwiGLU per layer, and every residual Add in a SkipSimplifiedLayerNormalization (in MXFP6, norms and
+    gates folded into the MXMatMul that reads them, compiler/matmul_prologue.py). Where the packed
     q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds biases between), one RotaryQKV per
     layer splits it into heads, with no Reshape or Transpose left; else one Rotary per query and key,
     and a Reshape and a Transpose for the values (a graph output). Without SwiGLU (whose sigmoid is
@@ -116,8 +120,9 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
                  "float32": (kernels.ROW_MATMUL, 6 * layers + 1)}[fmt]  # q, k, v, o, gate+up, down; LM head
         assert ops.count(calls[0]) == calls[1], g.file
         assert ops.count("Reshape") == ops.count("Transpose") == (0 if split_heads else layers), g.file
-        assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers, g.file
-        assert ops.count(kernels.SWIGLU) == layers and "QuickGelu" not in ops, g.file
+        folded = fmt == "mx-native"  # into the MXMatMul that reads them (not the float32 LM head's final norm)
+        assert ops.count("SkipSimplifiedLayerNormalization") == (1 if folded else 2 * layers), g.file
+        assert ops.count(kernels.SWIGLU) == (0 if folded else layers) and "QuickGelu" not in ops, g.file
         assert ops.count("Add") == (3 * layers if kind == "qwen2" else 0), g.file  # Qwen2's q/k/v biases
     monkeypatch.setattr(build, "fuse_swiglu", lambda model: 0)
     kept = build_it("bits-kept")
@@ -176,3 +181,61 @@ def test_a_constant_added_a_broadcast_or_another_axis_is_left_alone(kw):
     a norm over another axis is not the op's. The second Add, a residual, still fuses in the first two."""
     model = residual_model(**kw)
     assert fuse_skip_norms(model, tensor_shapes(model)) == (0 if "axis" in kw else 1)
+
+
+def layer_model(k: int = 96, f: int = 70, n: int = 40, shared_norm: bool = False) -> onnx.ModelProto:
+    """A residual norm feeding an MXMatMul, its output gated by SwiGLU into a second MXMatMul, as a Llama
+    MLP compiles; `shared_norm`: a Relu reads the norm too."""
+    codes1, exps1 = random_mx(k, 2 * f, seed=1)
+    codes2, exps2 = random_mx(f, n, seed=2)
+    gamma = np.random.default_rng(3).uniform(0.5, 2, k).astype(np.float32)
+    inits = [numpy_helper.from_array(gamma, "gamma"),
+             numpy_helper.from_array(pack_columns(codes1), "w1"), numpy_helper.from_array(pack_scales(exps1), "s1"),
+             numpy_helper.from_array(pack_columns(codes2), "w2"), numpy_helper.from_array(pack_scales(exps2), "s2")]
+    mx = lambda x, w, s, y, kk, nn: helper.make_node(kernels.MX_MATMUL, [x, w, s], [y], domain=kernels.DOMAIN,  # noqa: E731
+                                                    K=kk, N=nn)
+    nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["a", "b", "gamma"], ["n", "", "", "sum"],
+                              domain="com.microsoft", epsilon=1e-5),
+             mx("n", "w1", "s1", "gu", k, 2 * f),
+             helper.make_node(kernels.SWIGLU, ["gu"], ["g"], domain=kernels.DOMAIN),
+             mx("g", "w2", "s2", "y", f, n)]
+    outputs = ["y", "sum"]
+    if shared_norm:
+        nodes.append(helper.make_node("Relu", ["n"], ["r"]))
+        outputs.append("r")
+    fl = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info(x, fl, [None, k]) for x in "ab"],
+                              [helper.make_tensor_value_info(o, fl, None) for o in outputs], inits)
+    opsets = [helper.make_opsetid(d, v) for d, v in (("", 18), ("com.microsoft", 1), (kernels.DOMAIN, 1))]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@needs_library
+def test_norms_and_gates_fold_into_their_matmul_with_the_bits_of_the_nodes_they_replace():
+    """MXMatMul's prologues compute ONNX Runtime's SkipSimplifiedLayerNormalization and mxspd's SwiGLU bit for
+    bit, the residual sum included, for any rows (a row's bits alone, whatever shares its call)."""
+    model = layer_model()
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert fuse_matmul_prologues(fused) == 2
+    assert [n.op_type for n in fused.graph.node] == [kernels.MX_MATMUL] * 2
+    rng = np.random.default_rng(4)
+    x = {n: (rng.standard_normal((9, 96)) * rng.uniform(0.1, 30, (9, 1))).astype(np.float32) for n in "ab"}
+    want, got = run_all(model, x), run_all(fused, x)
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
+    for rows in ([0], [3, 8], [2, 5, 6, 7]):
+        one = run_all(fused, {n: v[rows] for n, v in x.items()})
+        np.testing.assert_array_equal(one[0], got[0][rows])
+
+
+@needs_library
+def test_a_norm_that_another_node_reads_keeps_its_own_node():
+    model = layer_model(shared_norm=True)
+    assert fuse_matmul_prologues(model) == 1  # the gate only
+    assert [n.op_type for n in model.graph.node].count("SkipSimplifiedLayerNormalization") == 1

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, PLAIN, score
+from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, PLAIN, SENSITIVE8, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, variant
@@ -47,6 +47,7 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", HEAD6),
     "mxfp6_native_head8": ("fp6_e2m3", "native", HEAD8),
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
+    "mxfp6_native_sensitive8": ("fp6_e2m3", "native", SENSITIVE8),
     "mxint8_native": ("fp6_e2m3", "native", ALL_INT8),
 }
 

@@ -7,7 +7,10 @@ tokens are accepted about independently (`independent`), a is estimated as accep
 over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are right or wrong
 together (a match that fails at its first token rarely recovers), so there the untested ones count
 as rejected (docs/benchmarks.md: estimated the independent way, prompt lookup drafted more and lost
-3-5% more on the default recipe's prompts). and costs round(k): its whole wall
+3-5% more on the default recipe's prompts). Acceptance is estimated per kind of draft where a drafter
+tells kinds apart (prompt lookup: the match length, since a match of one token is right far less
+often than one of three), so that a good kind is drafted and a poor one is not. A round of k
+costs round(k): its whole wall
 time (DLM catch-up and drafting, the scoring call, host work), first estimated as
 score(k) + (k + 1) * dlm_step; k = 0 is a plain decode step: 1 token for decode. The policy picks
 the best compiled k, so when drafting does not pay (low acceptance, a slow DLM, a costly scoring
@@ -83,7 +86,10 @@ class DraftPolicy:
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
         self.remeasure_every, self.margin, self.independent = remeasure_every, margin, independent
-        self.tested = self.accepted = 0  # drafted tokens the TLM judged, and those it accepted
+        # Per kind of draft (a lookup's match length: a 1-token match is right far less often than a
+        # 3-token one; one kind, 0, for other drafters): drafted tokens the TLM judged, those it accepted.
+        self.counts: dict[int, list[int]] = {}  # kind -> [tested, accepted]
+        self.kind = 0  # this round's kind, from choose() to observe()
         self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
         self.catch_up = 0.0  # ms the last probe spent feeding the DLM what the plain steps before it committed
@@ -94,8 +100,14 @@ class DraftPolicy:
         return max(k for k in self.cost if k > 0)
 
     @property
+    def tested(self) -> int:
+        return sum(t for t, _ in self.counts.values())
+
+    @property
     def acceptance(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
+        """The acceptance estimate of this round's kind of draft."""
+        tested, accepted = self.counts.get(self.kind, (0, 0))
+        return (accepted + self.prior * self.prior_weight) / (tested + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
         a = self.acceptance
@@ -105,8 +117,10 @@ class DraftPolicy:
         """Expected tokens per ms of a round that drafts k tokens (k = 0: a plain decode step)."""
         return self.expected_tokens(k) / self.cost[k]
 
-    def choose(self, limit: int) -> int:
-        """The draft length for this round; at most `limit` (the slots left for scoring)."""
+    def choose(self, limit: int, kind: int = 0) -> int:
+        """The draft length for this round; at most `limit` (the slots left for scoring); `kind`: what
+        kind of draft is on offer (its acceptance is estimated apart)."""
+        self.kind = kind
         if self.fixed is not None:
             return max((k for k in self.cost if k <= min(limit, self.fixed)), default=0)
         if self.adapt_costs and self.plain_wanted > 0:
@@ -147,7 +161,7 @@ class DraftPolicy:
         return loss / (self.probe_share * self.cost[0])
 
     def new_generation(self) -> None:
-        self.tested, self.accepted = self.tested // 2, self.accepted // 2
+        self.counts = {kind: [tested // 2, accepted // 2] for kind, (tested, accepted) in self.counts.items()}
         self.plain_in_a_row = 0
         self.wait = self.probe_every
         self.last_k = None
@@ -186,5 +200,6 @@ class DraftPolicy:
                     for j in self.cost:
                         if j and j not in self.measured:
                             self.cost[j] *= scale
-        self.tested += judged(k, accepted, self.independent)
-        self.accepted += accepted
+        counts = self.counts.setdefault(self.kind, [0, 0])
+        counts[0] += judged(k, accepted, self.independent)
+        counts[1] += accepted

@@ -75,6 +75,25 @@ def test_the_choice_maximises_the_rate_and_respects_the_limit():
     assert p.choose(limit=2) <= 2 and p.choose(limit=0) == 0
 
 
+def test_each_kind_of_draft_has_its_own_acceptance():
+    """Prompt lookup's 1-token matches fail where its 3-token matches hold: estimated apart, the policy
+    drafts the good kind and not the poor one; estimated together (one kind), it drafts on both."""
+    # free drafts, as a lookup's; no plain steps re-measured in between
+    apart, together = (policy(independent=False, dlm_step_ms=0.0, remeasure_every=1000) for _ in range(2))
+    for p in apart, together:
+        for _ in range(3):
+            p.observe(0, 0, p.cost[0])
+    for i in range(60):
+        kind, accepted = (1, 0) if i % 2 else (3, 4)
+        for p, as_kind in ((apart, kind), (together, 0)):
+            p.choose(4, kind=as_kind)  # names the round's kind; it drafts 4 whatever the choice, to feed
+            p.observe(4, accepted, p.cost[4])  # both estimates alike
+    assert apart.choose(4, kind=1) == 0 and apart.choose(4, kind=3) > 0
+    assert together.choose(4) > 0  # one estimate (0.5): it drafts on every match, the poor ones too
+    apart.new_generation()
+    assert apart.choose(4, kind=1) == 0 and apart.choose(4, kind=3) > 0  # kept, halved, across generations
+
+
 def test_acceptance_counts_the_drafts_the_target_judged():
     """i.i.d. acceptance a: a round stops at its first rejection, so the drafts after it say nothing.
     Estimated over tested drafts it converges to a; over drafted ones it would read ~0.59 for 0.8."""

@@ -490,9 +490,10 @@ void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64
 }
 
 // Query heads per task: a KV head's whole group when every head shares the mask (the values' range
-// and the visible list are then found once for the group) and there are rows enough to keep every
-// thread busy; else one. A head's arithmetic is the same either way.
-int64_t group(const Problem& p) { return p.mask_heads == 1 && p.t >= 4 ? p.hq / p.hkv : 1; }
+// and the visible list are then found once for the group), else one. A head's arithmetic is the same
+// either way. Also at one row: SmolLM2's decode step then has 3 tasks for 2 threads instead of 9, and
+// its attention takes 25% less thread time (7% less call time at 400 keys, none lost at 100).
+int64_t group(const Problem& p) { return p.mask_heads == 1 ? p.hq / p.hkv : 1; }
 
 // One task: (batch, group of query heads, row) -> their output vectors.
 void task(void* user, size_t index) {

@@ -12,7 +12,7 @@ setup(
             "kernels._mxspd_ort",  # loaded by ONNX Runtime (register_custom_ops_library), never imported
             sources=["kernels/register.cc", "kernels/mx_matmul.cc", "kernels/row_matmul.cc", "kernels/attention.cc",
                      "kernels/rotary.cc", "kernels/swiglu.cc"],
-            depends=["kernels/ort_api.h", "kernels/exp.h", "kernels/prologue.h"],
+            depends=["kernels/ort_api.h", "kernels/exp.h", "kernels/prologue.h", "kernels/rotary.h"],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,

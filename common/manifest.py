@@ -16,7 +16,8 @@ from common.graph_io import ModelDims
 
 FORMAT_VERSION = 5  # 2: prepacked weights in the shared weights file; 3: score{k} graphs with measured costs;
 # 4: MXMatMul weights in groups of 16 columns (kernels/layout.py); 5: norms and gates folded into MXMatMul
-# (its `prologue`, compiler/matmul_prologue.py), which an older kernel library cannot run
+# (its `prologue`, compiler/matmul_prologue.py) and ai.mxspd::RotaryAttention, which an older kernel
+# library cannot run
 MANIFEST_NAME = "manifest.json"
 
 

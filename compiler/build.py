@@ -44,6 +44,7 @@ from compiler.matmul_prologue import fuse_matmul_prologues
 from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
+from compiler.rotary_attention import fuse_rotary_attention
 from compiler.skip_norm import fuse_skip_norms
 from compiler.split_heads import fuse_split_heads
 from compiler.swiglu import fuse_swiglu
@@ -98,6 +99,7 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     pack_matmuls(model, read, shared.external)
     if invariant:
         fuse_split_heads(model, shapes)
+        fuse_rotary_attention(model)
     for t in model.graph.initializer:  # weights the passes left alone (embeddings, norms)
         if t.name in exported:
             data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))

@@ -22,13 +22,22 @@
 // needs the build's -ffp-contract=off: a fused multiply-add where the source has a product and a sum
 // would round once where the scalar path rounds twice.
 
+//
+// ai.mxspd::RotaryAttention: RotaryQKV (kernels/rotary.cc) and Attention in one op, where the packed
+// q/k/v projection feeds nothing else: inputs qkv [B, T, (Hq + 2 Hkv) * D], cos and sin [B or 1, 1, T,
+// D], past_key, past_value, mask; outputs the attention's output, and the rotated new keys and the
+// new values [B, Hkv, T, D] (the step's KV, which the runtime stores); attributes q_heads, kv_heads,
+// scale, tokens_major. The same bits as the two ops (kernels/rotary.h), a node less per layer
+// (compiler/rotary_attention.py).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "exp.h"
 #include "ort_api.h"
+#include "rotary.h"
 
 namespace mxspd {
 namespace {
@@ -539,22 +548,26 @@ void task(void* user, size_t index) {
 struct Kernel {
   float scale;
   bool tokens_major;
+  int64_t q_heads, kv_heads;  // RotaryAttention's packed projection
 };
 
-OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+OrtStatus* create(const OrtKernelInfo* info, bool rotary, void** out) {
   float scale = 0.0f;
-  int64_t tokens_major = 0;
+  int64_t tokens_major = 0, q_heads = 0, kv_heads = 0;
   if (OrtStatus* s = g_api.attribute(info, "scale", &scale)) return s;
   g_api.optional_attribute(info, "tokens_major", 0, &tokens_major);
-  *out = new (std::nothrow) Kernel{scale, tokens_major != 0};
+  if (rotary) {
+    if (OrtStatus* s = g_api.attribute(info, "q_heads", &q_heads)) return s;
+    if (OrtStatus* s = g_api.attribute(info, "kv_heads", &kv_heads)) return s;
+    if (q_heads <= 0 || kv_heads <= 0) return g_api.error("RotaryAttention: q_heads and kv_heads must be positive");
+  }
+  *out = new (std::nothrow) Kernel{scale, tokens_major != 0, q_heads, kv_heads};
   return *out ? nullptr : g_api.error("Attention: out of memory");
 }
 
-OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
-  const float* in[6] = {};
-  std::vector<int64_t> dims[6];
-  for (size_t i = 0; i < 6; ++i)
-    if (OrtStatus* s = g_api.tensor(ctx, i, &in[i], &dims[i])) return s;
+// The attention proper: in = query, past_key, past_value, new_key, new_value, mask, with their dims.
+OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* const (&in)[6],
+                  const std::vector<int64_t> (&dims)[6]) {
   const auto& qd = dims[0];
   if (qd.size() != 4 || dims[1].size() != 4 || dims[3].size() != 4 || dims[5].size() != 4)
     return g_api.error("Attention: query, keys, values and mask must be 4-D");
@@ -564,7 +577,6 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
       dims[5][0] != b || (dims[5][1] != 1 && dims[5][1] != hq) || dims[5][2] != t || dims[5][3] != c + t)
     return g_api.error("Attention: shapes must be query [B,Hq,T,D], past [B,Hkv,C,D], new [B,Hkv,T,D], "
                        "mask [B,1|Hq,T,C+T], with Hq a multiple of Hkv");
-  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
   float* y = nullptr;
   if (OrtStatus* s = g_api.output_data(ctx, 0, kernel.tokens_major ? std::vector<int64_t>{b, t, hq * d} : qd, &y))
     return s;
@@ -574,13 +586,61 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
 }
 
+OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
+  const float* in[6] = {};
+  std::vector<int64_t> dims[6];
+  for (size_t i = 0; i < 6; ++i)
+    if (OrtStatus* s = g_api.tensor(ctx, i, &in[i], &dims[i])) return s;
+  return attend(ctx, *static_cast<Kernel*>(op_kernel), in, dims);
+}
+
+// RotaryAttention: the packed projection into heads (the queries in a buffer the call reuses, the new
+// keys and values into outputs 1 and 2), then the attention over them.
+OrtStatus* compute_rotary(void* op_kernel, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  const int64_t hq = kernel.q_heads, hkv = kernel.kv_heads, heads = hq + 2 * hkv;
+  const float* in[6] = {};
+  std::vector<int64_t> dims[6], xd;
+  if (OrtStatus* s = g_api.tensor(ctx, 0, &in[0], &xd)) return s;
+  if (xd.size() != 3 || xd[2] % heads != 0 || (xd[2] / heads) % 2 != 0)
+    return g_api.error("RotaryAttention: qkv must be [B, T, (q_heads + 2 kv_heads) * D] with D even");
+  const int64_t b = xd[0], t = xd[1], d = xd[2] / heads;
+  const float *cos = nullptr, *sin = nullptr;
+  bool per_batch = false;
+  if (OrtStatus* s = angles(ctx, 1, b, t, d, "RotaryAttention: cos and sin must be [B or 1, 1, T, D]", &cos, &sin,
+                            &per_batch))
+    return s;
+  for (auto [from, to] : {std::pair<size_t, size_t>{3, 1}, {4, 2}, {5, 5}})  // past_key, past_value, mask
+    if (OrtStatus* s = g_api.tensor(ctx, from, &in[to], &dims[to])) return s;
+  thread_local std::vector<float> query;  // reused call after call by the thread that runs the op
+  query.resize(b * hq * t * d);
+  float* out[3] = {query.data(), nullptr, nullptr};
+  for (size_t i = 1; i < 3; ++i)
+    if (OrtStatus* s = g_api.output_data(ctx, i, {b, hkv, t, d}, &out[i])) return s;
+  qkv_heads(in[0], b, t, hq, hkv, d, cos, sin, per_batch, out);
+  in[0] = out[0], in[3] = out[1], in[4] = out[2];
+  dims[0] = {b, hq, t, d};
+  dims[3] = dims[4] = {b, hkv, t, d};
+  return attend(ctx, kernel, in, dims);
+}
+
 }  // namespace
 
 const OrtCustomOp* attention_op() {
   static const OrtCustomOp op = make_op(
       [](const OrtCustomOp*) { return "Attention"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
-      [](const OrtCustomOp*) -> size_t { return 6; }, create_kernel, compute,
-      [](void* k) { delete static_cast<Kernel*>(k); });
+      [](const OrtCustomOp*) -> size_t { return 6; },
+      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, false, out); },
+      compute, [](void* k) { delete static_cast<Kernel*>(k); });
+  return &op;
+}
+
+const OrtCustomOp* rotary_attention_op() {
+  static const OrtCustomOp op = make_op(
+      [](const OrtCustomOp*) { return "RotaryAttention"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
+      [](const OrtCustomOp*) -> size_t { return 6; },
+      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, true, out); },
+      compute_rotary, [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 3; });
   return &op;
 }
 

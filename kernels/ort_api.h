@@ -229,6 +229,7 @@ inline const bool kHasAvx512Vbmi = kHasAvx512 && __builtin_cpu_supports("avx512v
 const OrtCustomOp* mx_matmul_op();
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();
+const OrtCustomOp* rotary_attention_op();
 const OrtCustomOp* rotary_op();
 const OrtCustomOp* rotary_qkv_op();
 const OrtCustomOp* swiglu_op();

@@ -19,56 +19,18 @@
 // a sum; the library is built with -ffp-contract=off, so no fused multiply-add), so the output has the
 // same bits as the unfused graph, and every row is computed alone (batch invariance).
 
-#include <cstring>
 #include <new>
 
 #include "ort_api.h"
+#include "rotary.h"
 
 namespace mxspd {
 namespace {
-
-// Heads [column, column + h * d) of each row of X [B, T, width] into Y [B, h, T, d], rotated or copied.
-struct Heads {
-  const float* x;
-  int64_t b, t, width, column, h, d;
-};
-
-void to_heads(const Heads& in, const float* cos, const float* sin, bool per_batch, bool rotate, float* y) {
-  const int64_t d = in.d, half = d / 2;
-  for (int64_t bi = 0; bi < in.b; ++bi) {
-    for (int64_t hi = 0; hi < in.h; ++hi) {
-      for (int64_t ti = 0; ti < in.t; ++ti) {
-        const float* x = in.x + (bi * in.t + ti) * in.width + in.column + hi * d;
-        float* out = y + ((bi * in.h + hi) * in.t + ti) * d;
-        if (!rotate) {
-          std::memcpy(out, x, d * sizeof(float));
-          continue;
-        }
-        const int64_t row = (per_batch ? bi : 0) * in.t + ti;
-        const float *c = cos + row * d, *s = sin + row * d;
-        for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + -x[i + half] * s[i];
-        for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
-      }
-    }
-  }
-}
 
 struct Kernel {
   int64_t heads;     // Rotary: 0: X is [B, T, H, D]; else X is [B, T, heads * D]. RotaryQKV: the query heads
   int64_t kv_heads;  // RotaryQKV: the key and value heads
 };
-
-// cos and sin [B or 1, 1, T, D] for X's B and T and head size D; whether they are per batch.
-OrtStatus* angles(OrtKernelContext* ctx, int64_t b, int64_t t, int64_t d, const char* refusal, const float** cos,
-                  const float** sin, bool* per_batch) {
-  std::vector<int64_t> cd, sd;
-  if (OrtStatus* s = g_api.tensor(ctx, 1, cos, &cd)) return s;
-  if (OrtStatus* s = g_api.tensor(ctx, 2, sin, &sd)) return s;
-  if (cd != sd || cd.size() != 4 || (cd[0] != 1 && cd[0] != b) || cd[1] != 1 || cd[2] != t || cd[3] != d)
-    return g_api.error(refusal);
-  *per_batch = cd[0] != 1;
-  return nullptr;
-}
 
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   const float* x = nullptr;
@@ -83,8 +45,8 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   const int64_t b = xd[0], t = xd[1], h = xd[2], d = xd[3];
   const float *cos = nullptr, *sin = nullptr;
   bool per_batch = false;
-  if (OrtStatus* s = angles(ctx, b, t, d, "Rotary: cos and sin must be [B or 1, 1, T, D] for X [B, T, H, D]", &cos,
-                            &sin, &per_batch))
+  if (OrtStatus* s = angles(ctx, 1, b, t, d, "Rotary: cos and sin must be [B or 1, 1, T, D] for X [B, T, H, D]",
+                            &cos, &sin, &per_batch))
     return s;
   float* y = nullptr;
   if (OrtStatus* s = g_api.output_data(ctx, 0, {b, h, t, d}, &y)) return s;
@@ -100,20 +62,16 @@ OrtStatus* compute_qkv(void* op_kernel, OrtKernelContext* ctx) {
   const int64_t heads = k.heads + 2 * k.kv_heads;
   if (xd.size() != 3 || xd[2] % heads != 0 || (xd[2] / heads) % 2 != 0)
     return g_api.error("RotaryQKV: X must be [B, T, (q_heads + 2 kv_heads) * D] with D even");
-  const int64_t b = xd[0], t = xd[1], width = xd[2], d = width / heads;
+  const int64_t b = xd[0], t = xd[1], d = xd[2] / heads;
   const float *cos = nullptr, *sin = nullptr;
   bool per_batch = false;
-  if (OrtStatus* s = angles(ctx, b, t, d, "RotaryQKV: cos and sin must be [B or 1, 1, T, D] for X [B, T, H * D]",
+  if (OrtStatus* s = angles(ctx, 1, b, t, d, "RotaryQKV: cos and sin must be [B or 1, 1, T, D] for X [B, T, H * D]",
                             &cos, &sin, &per_batch))
     return s;
-  int64_t column = 0;
-  for (size_t i = 0; i < 3; ++i) {
-    const int64_t h = i == 0 ? k.heads : k.kv_heads;
-    float* y = nullptr;
-    if (OrtStatus* s = g_api.output_data(ctx, i, {b, h, t, d}, &y)) return s;
-    to_heads({x, b, t, width, column, h, d}, cos, sin, per_batch, i < 2, y);
-    column += h * d;
-  }
+  float* out[3] = {};
+  for (size_t i = 0; i < 3; ++i)
+    if (OrtStatus* s = g_api.output_data(ctx, i, {b, i == 0 ? k.heads : k.kv_heads, t, d}, &out[i])) return s;
+  qkv_heads(x, b, t, k.heads, k.kv_heads, d, cos, sin, per_batch, out);
   return nullptr;
 }
 

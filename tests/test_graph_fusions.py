@@ -98,8 +98,8 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     one matmul call for gate/up (and for q/k/v in MXFP6: float32 k and v fill half a panel here), one
     SwiGLU per layer, and every residual Add in a SkipSimplifiedLayerNormalization (in MXFP6, norms and
     gates folded into the MXMatMul that reads them, compiler/matmul_prologue.py). Where the packed
-    q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds biases between), one RotaryQKV per
-    layer splits it into heads, with no Reshape or Transpose left; else one Rotary per query and key,
+    q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds biases between), one RotaryAttention per
+    layer splits it into heads and attends, with no Reshape or Transpose left; else one Rotary per query and key,
     and a Reshape and a Transpose for the values (a graph output). Without SwiGLU (whose sigmoid is
     not QuickGelu's), its logits are the bits of the same model compiled without the fusions that keep
     bits; with it, within float32 rounding of them."""
@@ -114,7 +114,8 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     split_heads = kind == "llama-gqa" and fmt == "mx-native"
     for g in fused.manifest.models["tlm"].graphs.values():
         ops = [n.op_type for n in onnx.load(str(fused.path / g.file), load_external_data=False).graph.node]
-        assert ops.count(kernels.ROTARY_QKV) == (layers if split_heads else 0), g.file
+        assert ops.count(kernels.ROTARY_ATTENTION) == (layers if split_heads else 0), g.file  # with its RotaryQKV
+        assert ops.count(kernels.ROTARY_QKV) == 0 and ops.count(kernels.ATTENTION) == (0 if split_heads else layers)
         assert ops.count(kernels.ROTARY) == (0 if split_heads else 2 * layers) and "Neg" not in ops, g.file
         calls = {"mx-native": (kernels.MX_MATMUL, 4 * layers),  # qkv, o, gate+up, down
                  "float32": (kernels.ROW_MATMUL, 6 * layers + 1)}[fmt]  # q, k, v, o, gate+up, down; LM head

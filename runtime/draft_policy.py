@@ -32,8 +32,9 @@ longer probe tells little more than its first token and costs a longer scoring c
 run is at least `probe_every` rounds, doubles after each probe that changed nothing, and is long
 enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe
 loses its cost minus the plain steps its expected tokens would have taken, plus its drafter's
-catch-up on those plain steps). Drafting must be predicted `margin` faster than plain decoding:
-near break-even, noise in the estimates would make it lose as often as win. A plain step is
+catch-up on those plain steps, plus what the plain step after it costs over a warm one).
+Drafting must be predicted `margin` faster than plain decoding: near break-even, noise in the
+estimates would make it lose as often as win. A plain step is
 measured only when the one before it was plain too: the first of a generation, or one right after
 drafting, runs a decode session that sat idle. Two are measured before the first draft, and a
 plain step faster than the estimate replaces it at once (slower ones are averaged in), so that
@@ -93,6 +94,7 @@ class DraftPolicy:
         self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
         self.catch_up = 0.0  # ms the last probe spent feeding the DLM what the plain steps before it committed
+        self.rewarm = 0.0  # ms a plain step right after drafting costs over a warm one (its session sat idle)
         self.last_k: int | None = None  # the previous round's k (None: a generation starts)
 
     @property
@@ -156,8 +158,9 @@ class DraftPolicy:
 
     def _probe_gap(self, k: int) -> float:
         """Plain rounds per probe of k that keep probing within probe_share of the time. A probe
-        also pays for its drafter's catch-up on the plain steps before it (a DLM prefill, cold)."""
-        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0] + self.catch_up
+        also pays for its drafter's catch-up on the plain steps before it (a DLM prefill, cold), and
+        for the plain step after it, whose session sat idle."""
+        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0] + self.catch_up + self.rewarm
         return loss / (self.probe_share * self.cost[0])
 
     def new_generation(self) -> None:
@@ -177,6 +180,8 @@ class DraftPolicy:
         cold first measurement, rescaling the others, could keep the policy off the best draft length
         for good (on stdlib-wide-spd a first DLM prefill of 5.9 ms, against 1.1-1.8 warm, spaced
         probes ~230 plain steps apart, and a draft accepted 0.8 of the time went unused)."""
+        if k == 0 and self.last_k and 0 in self.measured:
+            self.rewarm += self.smoothing * (max(round_ms - self.cost[0], 0.0) - self.rewarm)
         cold = cold or (self.last_k != 0 if k == 0 else k not in self.tried)
         self.last_k = k
         self.tried.add(k)

@@ -94,6 +94,20 @@ def test_each_kind_of_draft_has_its_own_acceptance():
     assert apart.choose(4, kind=1) == 0 and apart.choose(4, kind=3) > 0  # kept, halved, across generations
 
 
+def test_a_slow_plain_step_after_drafting_spaces_the_probes_out():
+    """The plain step after a drafting round runs a session that sat idle: its extra time is part of
+    what a probe costs, so probes grow further apart (here 5 ms over a 10 ms step: twice the gap)."""
+    p = policy()
+    feed(p, 0.0)  # drafting hopeless: only probes draft
+    gap = p._probe_gap(1)
+    for _ in range(20):
+        p.observe(1, 0, p.cost[1])
+        p.observe(0, 0, p.cost[0] + 5.0)  # cold: not a measurement of plain decoding
+        p.observe(0, 0, p.cost[0])
+    assert p.rewarm == pytest.approx(5.0, rel=0.05) and p.cost[0] == 10.0
+    assert p._probe_gap(1) > 1.5 * gap
+
+
 def test_acceptance_counts_the_drafts_the_target_judged():
     """i.i.d. acceptance a: a round stops at its first rejection, so the drafts after it say nothing.
     Estimated over tested drafts it converges to a; over drafted ones it would read ~0.59 for 0.8."""

@@ -49,7 +49,7 @@ def fuse_matmul_prologues(model: onnx.ModelProto) -> int:
             total = node.output[3] if len(node.output) > 3 and node.output[3] else f"{out}.residual"
             fused[id(node)] = _fused(matmul, [*node.input[:1], *matmul.input[1:3], node.input[1], node.input[2]],
                                      [matmul.output[0], total], PROLOGUE_SKIP_RMS,
-                                     epsilon=float(attribute(node, "epsilon", 1e-5)))
+                                     epsilon=float(attribute(node, "epsilon", 1e-12)))  # the op's default
         else:
             continue
         fused[id(matmul)] = None

@@ -83,12 +83,20 @@ struct Api {
     return fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name,
                                                                                                           out);
   }
+  // An optional input or output the node does not have comes back as null: an error, not a crash.
   OrtStatus* input(const OrtKernelContext* ctx, size_t i, const OrtValue** out) const {
-    return fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, out);
+    *out = nullptr;
+    if (OrtStatus* s = fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(
+            ctx, i, out))
+      return s;
+    return *out ? nullptr : error("mxspd op: a required input is missing from the node");
   }
   OrtStatus* output(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t n, OrtValue** out) const {
-    return fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-        ctx, i, dims, n, out);
+    *out = nullptr;
+    if (OrtStatus* s = fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+            kKernelContextGetOutput)(ctx, i, dims, n, out))
+      return s;
+    return *out ? nullptr : error("mxspd op: a required output is missing from the node");
   }
   OrtStatus* data(const OrtValue* v, void** out) const {
     return fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), out);

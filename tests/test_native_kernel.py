@@ -208,6 +208,10 @@ def test_bad_shapes_are_refused_with_a_message():
     bits.i, next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 16, 4
     with pytest.raises(Exception, match="weight_bits must be 6"):
         session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
+    model.graph.node[0].attribute.extend([helper.make_attribute("prologue", 2), helper.make_attribute("epsilon", 1e-5)])
+    with pytest.raises(Exception, match="required input is missing"):  # a residual norm without skip and gamma
+        session(model).run(None, {"a": np.ones((2, 64), np.float32)})
 
 
 @needs_library

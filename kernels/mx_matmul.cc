@@ -426,8 +426,6 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
 
 // ---- the op ---------------------------------------------------------------------------------------
 
-enum Prologue : int64_t { kNone = 0, kSwiGLU = 1, kSkipRms = 2 };
-
 struct Kernel {
   int64_t k, n, activation_bits, weight_bits, prologue;
   float epsilon;
@@ -440,42 +438,13 @@ OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* i
   int64_t bits = 16, wbits = 6, prologue = kNone;
   g_api.optional_attribute(info, "activation_bits", 16, &bits);
   g_api.optional_attribute(info, "weight_bits", 6, &wbits);
-  g_api.optional_attribute(info, "prologue", kNone, &prologue);
-  float epsilon = 1e-5f;
-  if (prologue == kSkipRms)
-    if (OrtStatus* s = g_api.attribute(info, "epsilon", &epsilon)) return s;
+  float epsilon = 0.0f;
+  if (OrtStatus* s = read_prologue(info, "MXMatMul: prologue must be 0, 1 or 2", &prologue, &epsilon)) return s;
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
   if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  if (prologue < kNone || prologue > kSkipRms) return g_api.error("MXMatMul: prologue must be 0, 1 or 2");
   *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon};
   return *out ? nullptr : g_api.error("MXMatMul: out of memory");
-}
-
-// The rows the matmul rounds where a prologue runs: its rows of A (and skip, gamma), in a buffer reused
-// call after call by the thread that runs the op; output 1 written for the residual norm.
-OrtStatus* prologue_rows(const Kernel& kernel, OrtKernelContext* ctx, const float* a,
-                         const std::vector<int64_t>& adims, int64_t m, const float** rows) {
-  thread_local std::vector<float> x, scratch;
-  const int64_t k = kernel.k;
-  x.resize(m * k);
-  if (kernel.prologue == kSwiGLU) {
-    scratch.resize(k);
-    for (int64_t r = 0; r < m; ++r) swiglu_row(a + r * 2 * k, k, x.data() + r * k, scratch.data());
-  } else {
-    const float *skip = nullptr, *gamma = nullptr;
-    std::vector<int64_t> sdims, gdims;
-    if (OrtStatus* st = g_api.tensor(ctx, 3, &skip, &sdims)) return st;
-    if (OrtStatus* st = g_api.tensor(ctx, 4, &gamma, &gdims)) return st;
-    if (sdims != adims || gdims != std::vector<int64_t>{k})
-      return g_api.error("MXMatMul: prologue 2 needs skip (input 3) of A's shape and gamma (input 4) [K]");
-    float* sum = nullptr;
-    if (OrtStatus* st = g_api.output_data(ctx, 1, adims, &sum)) return st;
-    for (int64_t r = 0; r < m; ++r)
-      skip_rms_row(a + r * k, skip + r * k, gamma, k, kernel.epsilon, sum + r * k, x.data() + r * k);
-  }
-  *rows = x.data();
-  return nullptr;
 }
 
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
@@ -507,7 +476,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
     if (OrtStatus* st = g_api.data(v, d)) return st;
   const float* rows = a;
   if (kernel.prologue != kNone)
-    if (OrtStatus* st = prologue_rows(kernel, ctx, a, adims, m, &rows)) return st;
+    if (OrtStatus* st = prologue_rows(kernel.prologue, kernel.k, kernel.epsilon, ctx, 3, a, adims, m, &rows)) return st;
   if (m == 0) return nullptr;
   const int bits = static_cast<int>(kernel.activation_bits);
   return kernel.weight_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits)
@@ -517,16 +486,11 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
 }  // namespace
 
 const OrtCustomOp* mx_matmul_op() {
-  static const OrtCustomOp op = [] {
-    OrtCustomOp o = make_op(
-        [](const OrtCustomOp*) { return "MXMatMul"; },
-        [](const OrtCustomOp*, size_t i) { return i == 1 || i == 2 ? kUint8 : kFloat; },
-        [](const OrtCustomOp*) -> size_t { return 5; }, create_kernel, compute,
-        [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 2; });
-    o.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= 3 ? kOptional : kRequired; };
-    o.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= 1 ? kOptional : kRequired; };
-    return o;
-  }();
+  static const OrtCustomOp op = optional_from<3, 1>(make_op(
+      [](const OrtCustomOp*) { return "MXMatMul"; },
+      [](const OrtCustomOp*, size_t i) { return i == 1 || i == 2 ? kUint8 : kFloat; },
+      [](const OrtCustomOp*) -> size_t { return 5; }, create_kernel, compute,
+      [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 2; }));
   return &op;
 }
 

@@ -203,6 +203,14 @@ inline OrtCustomOp make_op(const char* (*name)(const OrtCustomOp*), int (*input_
   return op;
 }
 
+// `op` with its inputs from In on and its outputs from Out on optional (a prologue's, kernels/prologue.h).
+template <size_t In, size_t Out>
+OrtCustomOp optional_from(OrtCustomOp op) {
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= In ? kOptional : kRequired; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) { return i >= Out ? kOptional : kRequired; };
+  return op;
+}
+
 // 8 lanes summed in this fixed order, by the vector paths and their portable twins alike.
 inline float lane_sum(const float* a) {
   const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];

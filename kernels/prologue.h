@@ -1,5 +1,6 @@
-// What MXMatMul may compute on its input rows before rounding them (kernels/mx_matmul.cc's
-// `prologue`), and the standalone op that computes the same thing: a node less per fusion.
+// What MXMatMul and RowMatMul may compute on their input rows before multiplying them (their
+// `prologue`; kernels/mx_matmul.cc, kernels/row_matmul.cc), with the same bits as the standalone ops
+// they replace: a node less per fusion.
 //
 // Why: a decode step of SmolLM2 runs 60 residual norms and 30 gates on 576 and 1536 floats each; as
 // nodes of their own they cost more in dispatch than in arithmetic (compiler/matmul_prologue.py).
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "exp.h"
+#include "ort_api.h"
 
 namespace mxspd {
 
@@ -40,6 +42,42 @@ inline void skip_rms_row(const float* a, const float* skip, const float* gamma, 
   }
   const float rms = std::sqrt(square / static_cast<float>(k) + epsilon);
   for (int64_t i = 0; i < k; ++i) out[i] = sum[i] / rms * gamma[i];
+}
+
+// prologue: 0 none (A [..., K]); 1 SwiGLU (A [..., 2K], a packed gate and up projection); 2 residual RMS
+// norm (inputs `skip` (A's shape) and `skip` + 1 (gamma [K]), attribute epsilon; output 1 is A + skip).
+enum Prologue : int64_t { kNone = 0, kSwiGLU = 1, kSkipRms = 2 };
+
+inline OrtStatus* read_prologue(const OrtKernelInfo* info, const char* op, int64_t* prologue, float* epsilon) {
+  g_api.optional_attribute(info, "prologue", kNone, prologue);
+  *epsilon = 1e-5f;
+  if (*prologue < kNone || *prologue > kSkipRms) return g_api.error(op);
+  return *prologue == kSkipRms ? g_api.attribute(info, "epsilon", epsilon) : nullptr;
+}
+
+// The rows a matmul multiplies where a prologue runs: its rows of A [..., K or 2K] (and skip, gamma),
+// in a buffer reused call after call by the thread that runs the op; output 1 written for the norm.
+inline OrtStatus* prologue_rows(int64_t prologue, int64_t k, float epsilon, OrtKernelContext* ctx, size_t skip,
+                                const float* a, const std::vector<int64_t>& adims, int64_t m, const float** rows) {
+  thread_local std::vector<float> x, scratch;
+  x.resize(m * k);
+  if (prologue == kSwiGLU) {
+    scratch.resize(k);
+    for (int64_t r = 0; r < m; ++r) swiglu_row(a + r * 2 * k, k, x.data() + r * k, scratch.data());
+  } else {
+    const float *residual = nullptr, *gamma = nullptr;
+    std::vector<int64_t> sdims, gdims;
+    if (OrtStatus* st = g_api.tensor(ctx, skip, &residual, &sdims)) return st;
+    if (OrtStatus* st = g_api.tensor(ctx, skip + 1, &gamma, &gdims)) return st;
+    if (sdims != adims || gdims != std::vector<int64_t>{k})
+      return g_api.error("matmul prologue 2 (residual RMS norm): skip must have A's shape and gamma be [K]");
+    float* sum = nullptr;
+    if (OrtStatus* st = g_api.output_data(ctx, 1, adims, &sum)) return st;
+    for (int64_t r = 0; r < m; ++r)
+      skip_rms_row(a + r * k, residual + r * k, gamma, k, epsilon, sum + r * k, x.data() + r * k);
+  }
+  *rows = x.data();
+  return nullptr;
 }
 
 }  // namespace mxspd

@@ -8,12 +8,16 @@
 // lossless. Here an element's arithmetic depends on its row and column only: not on the rows beside it,
 // the tiling, the thread count, or the CPU (the portable path gives the same bits: std::fma rounds once,
 // as the vector FMA does).
+//
+// prologue (kernels/prologue.h), as MXMatMul's: 1 SwiGLU (A [..., 2K]); 2 residual RMS norm (inputs 2 skip
+// and 3 gamma, attribute epsilon; output 1 the residual sum), computed on A's rows first.
 
 #include <algorithm>
 #include <cmath>
 #include <new>
 
 #include "ort_api.h"
+#include "prologue.h"
 
 namespace mxspd {
 namespace {
@@ -84,44 +88,52 @@ void task(void* user, size_t index) {
 }
 
 struct Kernel {
-  int64_t n;
+  int64_t n, prologue;
+  float epsilon;
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t n = 0;
+  int64_t n = 0, prologue = kNone;
+  float epsilon = 0.0f;
   if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
   if (n <= 0) return g_api.error("RowMatMul: attribute N must be positive");
-  *out = new (std::nothrow) Kernel{n};
+  if (OrtStatus* s = read_prologue(info, "RowMatMul: prologue must be 0, 1 or 2", &prologue, &epsilon)) return s;
+  *out = new (std::nothrow) Kernel{n, prologue, epsilon};
   return *out ? nullptr : g_api.error("RowMatMul: out of memory");
 }
 
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
-  const int64_t n = static_cast<Kernel*>(op_kernel)->n;
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  const int64_t n = kernel.n;
   const float *a = nullptr, *b = nullptr;
   std::vector<int64_t> adims, bdims;
   if (OrtStatus* s = g_api.tensor(ctx, 0, &a, &adims)) return s;
   if (OrtStatus* s = g_api.tensor(ctx, 1, &b, &bdims)) return s;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (adims.empty() || bdims != std::vector<int64_t>{panels, adims.back(), kPanel})
-    return g_api.error("RowMatMul: B must be packed [ceil(N/64), K, 64], K the last dimension of A");
+  const int64_t panels = (n + kPanel - 1) / kPanel, width = kernel.prologue == kSwiGLU ? 2 : 1;
+  if (adims.empty() || adims.back() % width != 0 || bdims != std::vector<int64_t>{panels, adims.back() / width, kPanel})
+    return g_api.error("RowMatMul: B must be packed [ceil(N/64), K, 64], K the last dimension of A (half of it "
+                       "with prologue 1, SwiGLU)");
+  const int64_t k = bdims[1];
   int64_t m = 1;
   for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
   std::vector<int64_t> ydims = adims;
   ydims.back() = n;
   float* y = nullptr;
   if (OrtStatus* s = g_api.output_data(ctx, 0, ydims, &y)) return s;
+  if (kernel.prologue != kNone)
+    if (OrtStatus* s = prologue_rows(kernel.prologue, k, kernel.epsilon, ctx, 2, a, adims, m, &a)) return s;
   if (m == 0) return nullptr;
-  Problem p{a, b, y, m, adims.back(), n};
+  Problem p{a, b, y, m, k, n};
   return g_api.parallel_for(ctx, task, static_cast<size_t>(panels), &p);
 }
 
 }  // namespace
 
 const OrtCustomOp* row_matmul_op() {
-  static const OrtCustomOp op = make_op(
+  static const OrtCustomOp op = optional_from<2, 1>(make_op(
       [](const OrtCustomOp*) { return "RowMatMul"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
-      [](const OrtCustomOp*) -> size_t { return 2; }, create_kernel, compute,
-      [](void* k) { delete static_cast<Kernel*>(k); });
+      [](const OrtCustomOp*) -> size_t { return 4; }, create_kernel, compute,
+      [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 2; }));
   return &op;
 }
 

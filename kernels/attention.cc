@@ -21,7 +21,6 @@
 // exp is one fixed polynomial (the same operations on every path), not the C library's. All of this
 // needs the build's -ffp-contract=off: a fused multiply-add where the source has a product and a sum
 // would round once where the scalar path rounds twice.
-
 //
 // ai.mxspd::RotaryAttention: RotaryQKV (kernels/rotary.cc) and Attention in one op, where the packed
 // q/k/v projection feeds nothing else: inputs qkv [B, T, (Hq + 2 Hkv) * D], cos and sin [B or 1, 1, T,
@@ -29,6 +28,7 @@
 // new values [B, Hkv, T, D] (the step's KV, which the runtime stores); attributes q_heads, kv_heads,
 // scale, tokens_major. The same bits as the two ops (kernels/rotary.h), a node less per layer
 // (compiler/rotary_attention.py).
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>

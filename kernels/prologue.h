@@ -48,10 +48,11 @@ inline void skip_rms_row(const float* a, const float* skip, const float* gamma, 
 // norm (inputs `skip` (A's shape) and `skip` + 1 (gamma [K]), attribute epsilon; output 1 is A + skip).
 enum Prologue : int64_t { kNone = 0, kSwiGLU = 1, kSkipRms = 2 };
 
-inline OrtStatus* read_prologue(const OrtKernelInfo* info, const char* op, int64_t* prologue, float* epsilon) {
+// The attributes prologue and (for the norm) epsilon; `refusal`: the error for an unknown prologue.
+inline OrtStatus* read_prologue(const OrtKernelInfo* info, const char* refusal, int64_t* prologue, float* epsilon) {
   g_api.optional_attribute(info, "prologue", kNone, prologue);
-  *epsilon = 1e-5f;
-  if (*prologue < kNone || *prologue > kSkipRms) return g_api.error(op);
+  *epsilon = 0.0f;
+  if (*prologue < kNone || *prologue > kSkipRms) return g_api.error(refusal);
   return *prologue == kSkipRms ? g_api.attribute(info, "epsilon", epsilon) : nullptr;
 }
 

@@ -24,7 +24,7 @@ from compiler.matmul_prologue import fuse_matmul_prologues
 from compiler.rotary import fuse_rotary
 from compiler.skip_norm import fuse_skip_norms
 from export.pipeline import build_artifact
-from kernels.layout import pack_columns, pack_scales
+from kernels.layout import pack_columns, pack_panels, pack_scales
 from tests.conftest import FORMATS, tiny_recipe
 from tests.test_native_kernel import random_mx
 
@@ -186,22 +186,31 @@ def test_a_constant_added_a_broadcast_or_another_axis_is_left_alone(kw):
     assert fuse_skip_norms(model, tensor_shapes(model)) == (0 if "axis" in kw else 1)
 
 
-def layer_model(k: int = 96, f: int = 70, n: int = 40, shared_norm: bool = False) -> onnx.ModelProto:
-    """A residual norm feeding an MXMatMul, its output gated by SwiGLU into a second MXMatMul, as a Llama
-    MLP compiles; `shared_norm`: a Relu reads the norm too."""
-    codes1, exps1 = random_mx(k, 2 * f, seed=1)
-    codes2, exps2 = random_mx(f, n, seed=2)
-    gamma = np.random.default_rng(3).uniform(0.5, 2, k).astype(np.float32)
-    inits = [numpy_helper.from_array(gamma, "gamma"),
-             numpy_helper.from_array(pack_columns(codes1), "w1"), numpy_helper.from_array(pack_scales(exps1), "s1"),
-             numpy_helper.from_array(pack_columns(codes2), "w2"), numpy_helper.from_array(pack_scales(exps2), "s2")]
-    mx = lambda x, w, s, y, kk, nn: helper.make_node(kernels.MX_MATMUL, [x, w, s], [y], domain=kernels.DOMAIN,  # noqa: E731
-                                                    K=kk, N=nn)
+def layer_model(k: int = 96, f: int = 70, n: int = 40, shared_norm: bool = False, op: str = kernels.MX_MATMUL
+                ) -> onnx.ModelProto:
+    """A residual norm feeding a matmul (MXMatMul, or RowMatMul on float32 weights), its output gated by
+    SwiGLU into a second one, as a Llama MLP compiles; `shared_norm`: a Relu reads the norm too."""
+    rng = np.random.default_rng(3)
+    gamma = rng.uniform(0.5, 2, k).astype(np.float32)
+    inits = [numpy_helper.from_array(gamma, "gamma")]
+    for i, (kk, nn) in enumerate(((k, 2 * f), (f, n)), start=1):
+        if op == kernels.MX_MATMUL:
+            codes, exps = random_mx(kk, nn, seed=i)
+            weights = [pack_columns(codes), pack_scales(exps)]
+        else:
+            weights = [pack_panels(rng.standard_normal((kk, nn)).astype(np.float32))]
+        inits += [numpy_helper.from_array(w, f"w{i}.{j}") for j, w in enumerate(weights)]
+
+    def mx(x, i, y, kk, nn):
+        names = [t.name for t in inits if t.name.startswith(f"w{i}.")]
+        attrs = {"K": kk, "N": nn} if op == kernels.MX_MATMUL else {"N": nn}
+        return helper.make_node(op, [x, *names], [y], domain=kernels.DOMAIN, **attrs)
+
     nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["a", "b", "gamma"], ["n", "", "", "sum"],
                               domain="com.microsoft", epsilon=1e-5),
-             mx("n", "w1", "s1", "gu", k, 2 * f),
+             mx("n", 1, "gu", k, 2 * f),
              helper.make_node(kernels.SWIGLU, ["gu"], ["g"], domain=kernels.DOMAIN),
-             mx("g", "w2", "s2", "y", f, n)]
+             mx("g", 2, "y", f, n)]
     outputs = ["y", "sum"]
     if shared_norm:
         nodes.append(helper.make_node("Relu", ["n"], ["r"]))
@@ -219,14 +228,15 @@ def run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.nda
 
 
 @needs_library
-def test_norms_and_gates_fold_into_their_matmul_with_the_bits_of_the_nodes_they_replace():
-    """MXMatMul's prologues compute ONNX Runtime's SkipSimplifiedLayerNormalization and mxspd's SwiGLU bit for
-    bit, the residual sum included, for any rows (a row's bits alone, whatever shares its call)."""
-    model = layer_model()
+@pytest.mark.parametrize("op", [kernels.MX_MATMUL, kernels.ROW_MATMUL])
+def test_norms_and_gates_fold_into_their_matmul_with_the_bits_of_the_nodes_they_replace(op):
+    """The matmuls' prologues compute ONNX Runtime's SkipSimplifiedLayerNormalization and mxspd's SwiGLU bit
+    for bit, the residual sum included, for any rows (a row's bits alone, whatever shares its call)."""
+    model = layer_model(op=op)
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     assert fuse_matmul_prologues(fused) == 2
-    assert [n.op_type for n in fused.graph.node] == [kernels.MX_MATMUL] * 2
+    assert [n.op_type for n in fused.graph.node] == [op] * 2
     rng = np.random.default_rng(4)
     x = {n: (rng.standard_normal((9, 96)) * rng.uniform(0.1, 30, (9, 1))).astype(np.float32) for n in "ab"}
     want, got = run_all(model, x), run_all(fused, x)

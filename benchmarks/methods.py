@@ -1,15 +1,17 @@
 """Speculation methods side by side: autoregressive, draft model, prompt lookup, lookahead decoding.
 
-    python -m benchmarks.methods [--recipe tiny-stdlib-spd] [--repeats 2] [--max-new-tokens N]
+    python -m benchmarks.methods [--recipe tiny-stdlib-spd] [--repeats 2] [--max-new-tokens N] [--formats mxfp6]
 
-For the recipe's TLM in float32 and in MXFP6 (fused), on two prompt sets: the recipe's prompts,
-and an input-grounded set (a function, then a request for the same function with an argument
-renamed: text the model must largely repeat). Every method runs with its default (adaptive)
-policy, and prompt lookup and lookahead also with speculation forced every round ("always"), to
-show what the policy protects against. Runs alternate method by method, prompt by prompt, so
-machine drift hits all alike; each method's policy is warmed up on one prompt first, as a served
-artifact would be. Greedy; prints tokens per TLM call, decode tokens/s, the speedup over
-autoregressive decoding of the same artifact, and whether the tokens equal autoregressive ones.
+For the recipe's TLM in float32 and in MXFP6 (as the recipe lowers it), on two prompt sets: the
+recipe's prompts, and an input-grounded set (a function, then a request for the same function with
+an argument renamed: text the model must largely repeat). Every method runs with its default
+(adaptive) policy, and prompt lookup and lookahead also with speculation forced every round
+("always"), to show what the policy protects against; where the artifact ships an n-gram table,
+prompt lookup also runs on the text alone. The draft model runs where the artifact has one. Runs
+alternate method by method, prompt by prompt, so machine drift hits all alike; each method's
+policy is warmed up on one prompt first, as a served artifact would be. Greedy; prints tokens per
+TLM call, decode tokens/s, the speedup over autoregressive decoding of the same artifact, and
+whether the tokens equal autoregressive ones.
 """
 
 from __future__ import annotations
@@ -50,13 +52,22 @@ METHODS = {  # name -> generate() keywords
 }
 
 
+def methods_for(art) -> dict[str, dict]:
+    """METHODS that this artifact can run, plus prompt lookup without its n-gram table where it has one."""
+    out = {name: kw for name, kw in METHODS.items() if kw["speculative"] != "draft" or "dlm" in art.runners}
+    if art.ngram_table is not None:
+        out["prompt lookup (text only)"] = dict(speculative="prompt_lookup", prompt_lookup=dict(table=False))
+    return out
+
+
 def run_set(art, prompts: list[str], max_new: int, repeats: int) -> dict:
-    for kw in METHODS.values():  # warm up sessions and the adaptive policies
+    methods = methods_for(art)
+    for kw in methods.values():  # warm up sessions and the adaptive policies
         runtime.generate(art, prompts[0], max_new_tokens=max_new, **kw)
-    runs: dict[str, list] = {name: [] for name in METHODS}
+    runs: dict[str, list] = {name: [] for name in methods}
     for _ in range(repeats):
         for prompt in prompts:
-            for name, kw in METHODS.items():
+            for name, kw in methods.items():
                 runs[name].append(runtime.generate(art, prompt, max_new_tokens=max_new, **kw))
     rows = {}
     for name, results in runs.items():
@@ -84,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("reports"))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--formats", default="fp32,mxfp6", help="TLM formats to run, comma-separated")
     args = ap.parse_args(argv)
     recipe = get_recipe(args.recipe)
     fmt = recipe.tlm.mx_format or "fp6_e2m3"
-    dirs = {"fp32": build_cached(variant(recipe, None), args.out / recipe.name / "fp32"),
-            "mxfp6": build_cached(variant(recipe, fmt, "fused"), args.out / recipe.name / "mxfp6")}
+    recipes = {"fp32": variant(recipe, None), "mxfp6": variant(recipe, fmt, recipe.tlm.mx_lowering)}
+    dirs = {which: build_cached(recipes[which], args.out / recipe.name / which) for which in args.formats.split(",")}
     sets = {"recipe prompts": list(recipe.prompts), "input-grounded": GROUNDED}
     report = {}
     for which, d in dirs.items():

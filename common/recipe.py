@@ -77,9 +77,18 @@ class PromptLookupSettings:
     ngram: int = 3
     max_draft: int = 8
     adaptive: bool = True  # False: always score the whole match, even when it does not pay
+    # Where the text so far offers no match of 2+ tokens, draft from the artifact's n-gram table (if it
+    # ships one: the recipe's ngram_table), each guess at least min_confidence sure.
+    table: bool = True
+    min_confidence: float = 0.4
 
     def check(self, where: str = "prompt_lookup") -> PromptLookupSettings:
         _check_ints(self, where, {"ngram": 1, "max_draft": 1})
+        if not isinstance(self.table, bool):
+            raise TypeError(f"{where}.table must be true or false, got {self.table!r}")
+        if isinstance(self.min_confidence, bool) or not isinstance(self.min_confidence, int | float) \
+                or not 0 < self.min_confidence <= 1:
+            raise ValueError(f"{where}.min_confidence must be a number in (0, 1], got {self.min_confidence!r}")
         return self
 
 
@@ -125,6 +134,9 @@ class Recipe:
     lookahead: LookaheadSettings = field(default_factory=LookaheadSettings)
     prompt_lookup: PromptLookupSettings = field(default_factory=PromptLookupSettings)
     chat_template: bool = False
+    # An n-gram draft table shipped in the artifact for prompt lookup (builtin:NAME for
+    # recipes/builtin/NAME.npz, or a path), made by `python -m recipes.ngram_draft`; "": none.
+    ngram_table: str = ""
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     prompts: tuple[str, ...] = ()
 

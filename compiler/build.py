@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from common.graph_io import KV_STORE_FILE, ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
+from common.ngram_table import FILE as NGRAM_TABLE_FILE
 from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
 from common.staging import MARKER, check_output, make_staging
@@ -218,9 +219,11 @@ def _tools() -> dict[str, str]:
 
 
 def compile_artifact(
-    exports: dict[str, Path], recipe: Recipe, out_dir: Path, progress: bool = True, force: bool = False
+    exports: dict[str, Path], recipe: Recipe, out_dir: Path, progress: bool = True, force: bool = False,
+    ngram_table: Path | None = None,
 ) -> Path:
-    """Compile exported models ({"tlm": dir, "dlm": dir}) into the artifact folder out_dir.
+    """Compile exported models ({"tlm": dir, "dlm": dir}) into the artifact folder out_dir, with
+    prompt lookup's n-gram table file if given (checked against the TLM's tokenizer by the exporter).
 
     An existing out_dir is replaced only if it is empty or one of our artifacts (or `force`).
     """
@@ -239,6 +242,8 @@ def compile_artifact(
             for role, d in exports.items()
         }
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")
+        if ngram_table is not None:
+            shutil.copyfile(ngram_table, staging / NGRAM_TABLE_FILE)
         files = {
             str(p.relative_to(staging)): sha256_file(p)
             for p in sorted(staging.rglob("*")) if p.is_file() and p.name != MARKER

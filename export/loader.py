@@ -61,6 +61,20 @@ def resolve_model_dir(reference: str, role: str = "model") -> Path:
     )
 
 
+def resolve_ngram_table(reference: str) -> Path:
+    """A recipe's ngram_table: builtin:NAME (recipes/builtin/NAME.npz) or a path to a table file."""
+    if reference.startswith("builtin:"):
+        from recipes.default_pair import BUILTIN_DIR
+
+        path = BUILTIN_DIR / f"{reference.removeprefix('builtin:')}.npz"
+    else:
+        path = Path(reference).expanduser()
+    if not path.is_file():
+        raise ModelNotFoundError(f"ngram_table {reference!r}: {path} does not exist (make it with "
+                                 "`python -m recipes.ngram_draft`, or set ngram_table = \"\" for none)")
+    return path
+
+
 def is_available(reference: str) -> bool:
     if reference.startswith("builtin:"):
         return True

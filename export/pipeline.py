@@ -10,11 +10,12 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 
 from common import graph_io
+from common.ngram_table import NgramTable
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler.build import compile_artifact
 from export.fit import check_export_fits
-from export.loader import placeholder_model, resolve_model_dir
+from export.loader import placeholder_model, resolve_model_dir, resolve_ngram_table
 from export.onnx_export import export_model
 from export.weights import checkpoint_tensors
 from quant.onnx_pass import Float16Pass, MXPass, PassChain
@@ -89,6 +90,8 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
+    table_file = resolve_ngram_table(recipe.ngram_table) if recipe.ngram_table else None
+    table = NgramTable.load(table_file) if table_file else None  # a damaged file is refused before exporting
     check_export_fits(dirs, specs, out_dir, recipe.context_length)
     models = {role: placeholder_model(d, recipe.context_length) for role, d in dirs.items()}
     if "dlm" in models:
@@ -106,6 +109,8 @@ def build_artifact(
                 recipe.capacity, batch=recipe.batch_size, source=specs[role].model,
                 tokenizer_dir=dirs[role], passes=weight_passes(specs[role]), role=role, progress=progress,
             )
-        return compile_artifact(exports, recipe, out_dir, progress=progress, force=force)
+            if role == "tlm" and table is not None:
+                table.check_vocabulary(exports[role] / "tokenizer", model.config.vocab_size, "the TLM")
+        return compile_artifact(exports, recipe, out_dir, progress=progress, force=force, ngram_table=table_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

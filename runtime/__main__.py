@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     pl = p.add_argument_group("prompt lookup (default: the recipe's [prompt_lookup] settings)")
     pl.add_argument("--lookup-ngram", type=int, help="longest tail matched against the text so far")
     pl.add_argument("--max-draft", type=int, help="most tokens proposed per match")
+    pl.add_argument("--no-ngram-table", dest="table", action="store_false", default=None,
+                    help="draft from the text so far only, not from the artifact's n-gram table")
     p.add_argument("--always-draft", action="store_true",
                    help="prompt lookup/lookahead: speculate every round, even when plain decoding is faster")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speculative ({s['method']}): {s['tokens_per_tlm_call']:.2f} tokens per TLM call | acceptance "
               f"{s['acceptance_rate']:.2f} | mean accepted length {s['mean_accepted_length']:.2f} | TLM calls "
               f"{s['tlm_calls']} | rounds {s['rounds']}, plain steps {s['plain_decode_steps']}"
-              + (f" | DLM calls {s['dlm_calls']}, draft lengths {s['draft_lengths_used']}" if "dlm_calls" in s else ""))
+              + (f" | DLM calls {s['dlm_calls']}, draft lengths {s['draft_lengths_used']}" if "dlm_calls" in s else "")
+              + (f" | n-gram table offered a draft in {s['rounds_with_a_table_guess']} rounds"
+                 if s.get("rounds_with_a_table_guess") else ""))
     return 0
 
 
@@ -126,7 +130,7 @@ def _multi(art, prompt: str, args: argparse.Namespace) -> int:
 def _method_settings(args: argparse.Namespace) -> dict:
     """The lookahead/prompt_lookup keyword dicts from the flags that were given."""
     la = {"ngram": args.ngram, "window": args.window, "guesses": args.guesses}
-    pl = {"ngram": args.lookup_ngram, "max_draft": args.max_draft}
+    pl = {"ngram": args.lookup_ngram, "max_draft": args.max_draft, "table": args.table}
     out = {}
     for name, given in (("lookahead", la), ("prompt_lookup", pl)):
         given = {k: v for k, v in given.items() if v is not None} | ({"adaptive": False} if args.always_draft else {})

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common import ngram_table
 from common.manifest import ArtifactError, Manifest, read_manifest
+from common.ngram_table import NgramTable, NgramTableError
 from common.resources import check_memory
 from common.targets import check_prepacked, check_target
 from kernels import NATIVE_LOWERINGS, require_library
@@ -33,6 +35,7 @@ class Artifact:
     runners: dict[str, ModelRunner]
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ngram_table: NgramTable | None = None  # prompt lookup's n-gram draft, where the recipe ships one
     policies: dict[tuple, DraftPolicy] = field(default_factory=dict, repr=False)  # adaptive, per method
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)
@@ -122,6 +125,12 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
         for role, entry in manifest.models.items()
     }
     _return_freed_heap()
+    table = None
+    if ngram_table.FILE in manifest.files:
+        try:
+            table = NgramTable.load(path / ngram_table.FILE)
+        except NgramTableError as exc:
+            raise ArtifactError(f"artifact {path}: {exc}") from None
     eos = set(manifest.models["tlm"].eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -132,4 +141,5 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
         runners=runners,
         load_seconds=time.perf_counter() - start,
         eos_token_ids=frozenset(eos),
+        ngram_table=table,
     )

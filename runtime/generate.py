@@ -153,8 +153,9 @@ def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], n: in
     values), seed, stop, chat, and for
     speculation: speculative (None: the recipe's choice; True: the recipe's method; False: off;
     or "draft", "prompt_lookup", "lookahead"), lookahead=dict(ngram, window, guesses, adaptive),
-    prompt_lookup=dict(ngram, max_draft, adaptive), draft_sampling, draft_length (None lets the
-    runtime choose each round's draft length from measured costs and acceptance, an int fixes it).
+    prompt_lookup=dict(ngram, max_draft, adaptive, table, min_confidence), draft_sampling,
+    draft_length (None lets the runtime choose each round's draft length from measured costs and
+    acceptance, an int fixes it).
     With n: parallel sampling (runtime/multi.py), a MultiResult of n completions decoded together,
     branch i reproducible alone with seed + i; speculation does not apply.
     """

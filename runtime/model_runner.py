@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,7 @@ class ModelRunner:
             }
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
         self.captured: set[int] = set()  # threads that hold this runner's CUDA graphs (capture_graphs)
+        self.warm: set[str] = set()  # graphs run at least once (a first run allocates: warm_up)
 
     def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
@@ -172,17 +174,31 @@ class ModelRunner:
         costs when it fell inside a generation (a scoring call measured 36 ms that costs 3:
         docs/benchmarks.md, "GPU target"), so a thread's first call captures every graph at once, before
         anything is timed. Rows are padding that sees only itself; nothing is committed."""
-        for g in self.graphs.values():
+        self._run_padding(list(self.graphs), runs=3)
+        self.captured.add(threading.get_ident())
+
+    def warm_up(self, graphs: Iterable[str]) -> None:
+        """Run each of these graphs that has not run yet once. A session's first run allocates its
+        buffers: lookahead's 13-row graph took 16.8 ms the first time in a process, 4.6 plain steps
+        (docs/benchmarks.md), so a drafter warms the graphs it may call before its first round. (CUDA
+        graphs: their capture at a thread's first call runs every graph.)"""
+        if not self.cuda_graph:
+            self._run_padding(sorted(set(graphs) - self.warm), runs=1)
+
+    def _run_padding(self, graphs: list[str], runs: int) -> None:
+        """Run these graphs `runs` times on padding rows that see only themselves; nothing is committed."""
+        for name in graphs:
+            g = self.graphs[name]
+            self.warm.add(name)
             rows = np.arange(g.tokens)
             g.input_ids[...] = 0
             g.position_ids[...] = 0
             g.mask[...] = False
             g.mask[0, rows, self.context + rows] = True
             g.upload()
-            for _ in range(3):
+            for _ in range(runs):
                 g.session.run_with_iobinding(g.binding)
-        self._last = None
-        self.captured.add(threading.get_ident())
+            self._last = None  # its new KV is padding's: nothing to commit
 
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
@@ -234,6 +250,7 @@ class ModelRunner:
         logits = g.download()
         self.call_s += time.perf_counter() - t0
         self.calls += 1
+        self.warm.add(graph)
         self._last = g
         if check and not np.isfinite(logits[0, :n]).all():
             raise NonFiniteLogitsError(

@@ -2,15 +2,18 @@
 
 Input-grounded generation (editing code, summarising, answering from a document) repeats spans
 of its input; matching the last n tokens (n = ngram, falling back to shorter) against the prompt
-and what was generated proposes those spans for free. The draft is a deterministic chain, verified
-exactly (runtime/rejection.py). How much of it to score is the draft policy's choice (its cost
-model with free drafts), and no match means a plain decode step.
+and what was generated proposes those spans for free. Where that finds no match of two tokens or
+more and the artifact ships an n-gram table of its TLM's own answers (common/ngram_table.py), the
+table's guesses are the draft. The draft is a deterministic chain, verified exactly
+(runtime/rejection.py). How much of it to score is the draft policy's choice (its cost model with
+free drafts, acceptance per kind of draft), and no draft means a plain decode step.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from common.ngram_table import NgramTable
 from common.recipe import PromptLookupSettings
 from runtime.draft_policy import DraftPolicy
 from runtime.proposal import Proposal
@@ -36,23 +39,38 @@ def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.
     return 0, text[:0]
 
 
+TABLE_KIND = 100  # kinds of draft: a match of n tokens is kind n; a table guess 100 + its confidence in tenths
+
+
+def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | None) -> tuple[int, np.ndarray]:
+    """This round's draft and its kind (0: none). A match of one token was right 18% of the time on the
+    default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9+ 85%
+    (docs/benchmarks.md): the table takes over where the text offers only a 1-token match."""
+    n, found = lookup_match(np.asarray(text, np.int64), settings.ngram, settings.max_draft)
+    if n < 2 and table is not None and settings.table:
+        confidence, guessed = table.chain(text, settings.max_draft, settings.min_confidence)
+        if guessed:
+            return TABLE_KIND + int(confidence * 10), np.asarray(guessed, np.int64)
+    return n, found
+
+
 class PromptLookup:
     name = "prompt_lookup"
 
-    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy) -> None:
-        self.settings, self.policy = settings, policy
-        self.matched_rounds = 0
+    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy, table: NgramTable | None) -> None:
+        self.settings, self.policy, self.table = settings, policy, table
+        self.matched_rounds = self.table_rounds = 0
 
     def start(self, committed: list[int]) -> None:
         pass  # a kept policy was told of the new generation when it was handed out
 
     def propose(self, committed: list[int], room: int) -> Proposal:
-        s = self.settings
-        n, found = lookup_match(np.asarray(committed, np.int64), s.ngram, s.max_draft)
-        # The policy weighs each match length apart: on the default recipe's answers, a 1-token match
-        # was right 18% of the time, a 3-token one 63% (docs/benchmarks.md).
-        k = self.policy.choose(min(room, len(found)), kind=n) if len(found) else 0
-        self.matched_rounds += bool(len(found))
+        kind, found = draft(committed, self.settings, self.table)
+        # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
+        # 18% of the time, a 3-token one 63% (docs/benchmarks.md).
+        k = self.policy.choose(min(room, len(found)), kind=kind) if len(found) else 0
+        self.matched_rounds += 0 < kind < TABLE_KIND
+        self.table_rounds += kind >= TABLE_KIND
         return Proposal.chain(found[:k])
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
@@ -60,4 +78,4 @@ class PromptLookup:
         self.policy.observe(len(proposal.tokens), accepted, round_ms)
 
     def summary(self) -> dict:
-        return {"rounds_with_a_match": self.matched_rounds}
+        return {"rounds_with_a_match": self.matched_rounds, "rounds_with_a_table_guess": self.table_rounds}

@@ -116,16 +116,22 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         dlm_step = art.manifest.models["dlm"].graphs[graph_io.DECODE].cost_ms or None
         policy = _policy(art, ("draft",), lambda: DraftPolicy(
             {k: cost(k + 1) for k in ks}, decode, dlm_step, draft_length, adapt), adapt and draft_length is None)
+        art.tlm.warm_up(art.tlm.graph_for(k + 1) for k in ks)  # a first run allocates: not inside a round
+        art.dlm.warm_up(art.dlm.graphs)
         return DraftModelDrafter(art.dlm, draft_params, policy, rng)
     if method == "prompt_lookup":
         assert isinstance(settings, PromptLookupSettings)
+        art.tlm.warm_up(art.tlm.graph_for(k + 1) for k in range(1, settings.max_draft + 1))
         fixed = draft_length or (None if settings.adaptive else settings.max_draft)
-        policy = _policy(art, ("prompt_lookup", settings.ngram, settings.max_draft), lambda: DraftPolicy(
+        table = art.ngram_table if settings.table else None
+        key = ("prompt_lookup", settings.ngram, settings.max_draft, table is not None, settings.min_confidence)
+        policy = _policy(art, key, lambda: DraftPolicy(
             {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt, independent=False),
             adapt and fixed is None)
-        return PromptLookup(settings, policy)
+        return PromptLookup(settings, policy, table)
     assert method == "lookahead" and isinstance(settings, LookaheadSettings)
     t = lookahead_rows(art, settings)
+    art.tlm.warm_up([art.tlm.graph_for(t)])
     fixed = None if settings.adaptive else 1
     key = ("lookahead", settings.ngram, settings.window, settings.guesses)
     policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),

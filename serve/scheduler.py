@@ -33,7 +33,7 @@ from runtime.artifact import Artifact
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
-from runtime.prompt_lookup import lookup
+from runtime.prompt_lookup import draft
 from runtime.proposal import Proposal
 from runtime.rejection import verify_round
 from runtime.request import Decoding, Speculation
@@ -333,7 +333,7 @@ class Scheduler:
                        forest.runner.max_length - 1 - req.branch.length)
             if req.spec.method == "prompt_lookup":
                 s = req.spec.settings
-                found = lookup(np.asarray(req.prompt + req.tokens, np.int64), s.ngram, s.max_draft)
+                _, found = draft(req.prompt + req.tokens, s, self.art.ngram_table)
                 out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
             elif req.spec.method == "lookahead":  # a window step, unless the batch policy says a plain one
                 if req.drafter is None:

@@ -1,0 +1,171 @@
+"""The n-gram draft table: counted from a TLM's own answers, shipped in the artifact, drafted from by
+prompt lookup where the text offers no match, lossless, and refused when damaged or mismatched."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import runtime
+from common.manifest import ArtifactError
+from common.ngram_table import FILE, NgramTable, NgramTableError
+from common.recipe import PromptLookupSettings, RecipeError, recipe_from_dict
+from export.loader import ModelNotFoundError
+from export.pipeline import build_artifact
+from recipes import ngram_draft
+from recipes.default_pair import byte_tokenizer
+from runtime.prompt_lookup import TABLE_KIND, draft
+from tests.conftest import tiny_recipe
+
+PROMPTS = [[0, 7, 8, 9, 10], [0, 20, 21], [0, 30, 31, 32, 33, 34], [0, 40], [0, 50, 51, 52]]
+
+
+def table_of(sequences, tmp_path, order=3, min_count=1) -> NgramTable:
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    return ngram_draft.table_from_counts(ngram_draft.count(sequences, order, min_count), order, tmp_path / "tok",
+                                         260, {"test": True})
+
+
+def test_count_guess_and_chain_follow_the_most_frequent_continuation(tmp_path):
+    sequences = [([0, 1], [5, 6, 7]), ([0, 1], [5, 6, 7]), ([0, 1], [5, 6, 8]), ([0, 2], [9, 6, 4])]
+    table = table_of(sequences, tmp_path)
+    assert table.guess([3, 5, 6]) == (7, pytest.approx(2 / 3))  # context (5, 6): 7 twice, 8 once
+    assert table.guess([9, 6]) == (4, 1.0)  # the longest context wins over (6,) -> 7
+    assert table.guess([3, 6]) == (7, pytest.approx(2 / 4))  # (3, 6) unseen: falls back to (6,)
+    assert table.guess([77]) is None
+    assert table.chain([0, 1], 8, 0.5) == (1.0, [5, 6, 7])  # (0,1)->5, (1,5)->6, (5,6)->7 at 2/3 ...
+    assert table.chain([0, 1], 8, 0.7) == (1.0, [5, 6])  # ... which a floor of 0.7 refuses
+    assert table.chain([0, 1], 1, 0.5) == (1.0, [5])
+    assert ngram_draft.count(sequences, 3, min_count=2).keys() == {(1,), (5,), (6,), (0, 1), (1, 5),
+                                                                   (5, 6), (0, 1, 5), (1, 5, 6)}
+
+
+def test_agreement_counts_right_guesses_per_confidence(tmp_path):
+    table = table_of([([0], [5, 6, 7]), ([0], [5, 6, 8])], tmp_path)
+    a = ngram_draft.agreement(table, [([0], [5, 6, 7])])
+    # positions: after 0 -> 5 (sure, right), after 5 -> 6 (sure, right), after 6 -> 7 (half sure, right)
+    assert a["positions"] == 3 and a["guessed"] == 1.0 and a["top1"] == 1.0
+    assert a["by_confidence"] == {"0.5": {"share": 1 / 3, "right": 1.0}, "1.0": {"share": 2 / 3, "right": 1.0}}
+    assert ngram_draft.agreement(table, [([0], [9, 9])])["top1"] == 0.0
+
+
+def test_save_load_round_trip_and_damaged_files_are_refused(tmp_path):
+    table = table_of([([0, 1], [5, 6, 7]), ([0, 2], [9, 6, 4])], tmp_path)
+    table.save(tmp_path / "t.npz")
+    back = NgramTable.load(tmp_path / "t.npz")
+    assert back.record == {"test": True} and back.vocab_sha256 == table.vocab_sha256
+    for ctx in ([0, 1], [9, 6], [6], [1, 5]):
+        assert back.guess(ctx) == table.guess(ctx)
+    assert not list(tmp_path.glob(".t.npz*"))  # no temporary file left
+    raw = (tmp_path / "t.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(NgramTableError, match="cannot be read"):
+        NgramTable.load(tmp_path / "cut.npz")
+    with pytest.raises(NgramTableError, match="does not exist"):
+        NgramTable.load(tmp_path / "none.npz")
+    np.savez(tmp_path / "obj.npz", contexts=np.array([object()]), next=np.zeros(1), hits=np.zeros(1),
+             total=np.zeros(1), meta=np.array("{}"))
+    with pytest.raises(NgramTableError, match="cannot be read"):  # never unpickled
+        NgramTable.load(tmp_path / "obj.npz")
+    bad = replace(table, next=table.next + 1000)
+    bad.save(tmp_path / "ids.npz")
+    with pytest.raises(NgramTableError, match="token ids"):
+        NgramTable.load(tmp_path / "ids.npz")
+
+
+def test_a_table_from_another_tokenizer_is_refused(tmp_path, checkpoints):
+    table = table_of([([0, 1], [5, 6, 7])], tmp_path)
+    table.check_vocabulary(tmp_path / "tok", 260, "the TLM")
+    other = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    vocab = other["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text(json.dumps(other))
+    with pytest.raises(NgramTableError, match="another tokenizer"):
+        table.check_vocabulary(tmp_path / "other", 260, "the TLM")
+    with pytest.raises(NgramTableError, match="another tokenizer"):
+        table.check_vocabulary(tmp_path / "tok", 300, "the TLM")
+
+
+def test_draft_prefers_a_long_match_then_the_table_then_a_short_match(tmp_path):
+    table = table_of([([0], [5, 6, 7, 8])], tmp_path)
+    s = PromptLookupSettings(max_draft=3)
+    assert draft([1, 2, 3, 9, 1, 2], s, table) == (2, pytest.approx([3, 9, 1]))  # a 2-token match of the text
+    kind, tokens = draft([5, 9, 4, 5], s, table)  # only a 1-token match (5): the table's 5 -> 6 -> 7 -> 8
+    assert kind == TABLE_KIND + 10 and tokens.tolist() == [6, 7, 8]
+    assert draft([5, 9, 4, 5], replace(s, table=False), table)[0] == 1  # off: the 1-token match
+    assert draft([5, 9, 4, 5], s, None)[0] == 1
+    assert draft([33, 9, 4, 33], s, table)[0] == 1  # nothing in the table after 33
+
+
+@pytest.fixture(scope="module")
+def with_table(checkpoints, tmp_path_factory):
+    """A TLM-only artifact shipping a table counted from its own greedy answers to PROMPTS."""
+    root = tmp_path_factory.mktemp("ngram")
+    plain = runtime.load_artifact(build_artifact(tiny_recipe(dlm=None, context_length=64), root / "plain",
+                                                 tlm=str(checkpoints["llama-gqa"]), progress=False))
+    answers = [(p, runtime.generate(plain, p, max_new_tokens=30, speculative=False).token_ids) for p in PROMPTS]
+    table = ngram_draft.table_from_counts(ngram_draft.count(answers, 4, 1), 4, plain.path / "tokenizer", 260, {})
+    table.save(root / "t.npz")
+    recipe = tiny_recipe(dlm=None, context_length=64, speculative=True, speculation="prompt_lookup",
+                         ngram_table=str(root / "t.npz"))
+    return runtime.load_artifact(build_artifact(recipe, root / "art", tlm=str(checkpoints["llama-gqa"]),
+                                                progress=False)), answers
+
+
+def test_the_table_drafts_losslessly_and_a_disabled_table_does_not(with_table):
+    art, answers = with_table
+    assert art.ngram_table is not None and FILE in art.manifest.files  # shipped and checksummed
+    used = accepted = 0
+    for prompt, ar in answers:
+        for always in (False, True):
+            r = runtime.generate(art, prompt, max_new_tokens=30, prompt_lookup=dict(adaptive=not always))
+            assert r.token_ids == ar, prompt
+            used += r.metrics.speculative["rounds_with_a_table_guess"]
+            accepted += r.metrics.speculative["accepted"]
+        off = runtime.generate(art, prompt, max_new_tokens=30, prompt_lookup=dict(table=False, adaptive=False))
+        assert off.token_ids == ar and off.metrics.speculative["rounds_with_a_table_guess"] == 0
+    assert used > 10 and accepted > 20  # the table knows these answers: its drafts were taken
+
+
+def test_a_damaged_shipped_table_is_an_artifact_error(with_table, tmp_path):
+    import shutil
+
+    art, _ = with_table
+    copy = shutil.copytree(art.path, tmp_path / "copy")
+    (copy / FILE).write_bytes(b"not a zip")
+    with pytest.raises(ArtifactError, match=FILE):
+        runtime.load_artifact(copy, verify=False)
+    with pytest.raises(ArtifactError):
+        runtime.load_artifact(copy)  # the checksum says it first
+
+
+def test_recipe_and_export_check_the_table_settings(checkpoints, tmp_path):
+    base = {"name": "x", "speculation": "prompt_lookup", "tlm": {"model": "m"}}
+    assert recipe_from_dict(base | {"ngram_table": "builtin:y"}).ngram_table == "builtin:y"
+    for bad in ({"min_confidence": 0}, {"min_confidence": 1.5}, {"table": "yes"}):
+        with pytest.raises(RecipeError, match=next(iter(bad))):
+            recipe_from_dict(base | {"prompt_lookup": bad})
+    recipe = tiny_recipe(dlm=None, context_length=64, ngram_table=str(tmp_path / "missing.npz"))
+    with pytest.raises(ModelNotFoundError, match="recipes.ngram_draft"):
+        build_artifact(recipe, tmp_path / "art", tlm=str(checkpoints["llama-gqa"]), progress=False)
+    assert not (tmp_path / "art").exists()
+
+
+def test_the_build_command_answers_counts_and_writes_a_record(artifact_dir, tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('name = "r"\nspeculative = false\nchat_template = false\nprompts = ["What is gravity?"]\n'
+                      '[tlm]\nmodel = "m"\n')
+    out = tmp_path / "t.npz"
+    ngram_draft.main(["--recipe", str(recipe), "--artifact", str(artifact_dir), "--limit", "12", "--batch", "1",
+                      "--answer-tokens", "8", "--out", str(out)])
+    table, record = NgramTable.load(out), json.loads(out.with_suffix(".json").read_text())
+    assert record["prompts_counted"] + record["prompts_held_out"] == 12 and record["prompts_held_out"] == 2
+    assert 0 < record["tokens_counted"] <= 10 * 8 and len(table) == record["contexts"] > 0
+    assert 0 <= record["held_out"]["top1"] <= record["held_out"]["guessed"] <= 1
+    assert "What is gravity?" not in ngram_draft.instructions(exclude=["What is gravity?"])
+    assert "contexts from" in capsys.readouterr().out

@@ -131,15 +131,22 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
             table = NgramTable.load(path / ngram_table.FILE)
         except NgramTableError as exc:
             raise ArtifactError(f"artifact {path}: {exc}") from None
+    art = Artifact(path=path, manifest=manifest, tokenizer=tokenizer, runners=runners, load_seconds=0.0,
+                   ngram_table=table)
+    _warm_up(art)
     eos = set(manifest.models["tlm"].eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return Artifact(
-        path=path,
-        manifest=manifest,
-        tokenizer=tokenizer,
-        runners=runners,
-        load_seconds=time.perf_counter() - start,
-        eos_token_ids=frozenset(eos),
-        ngram_table=table,
-    )
+    art.eos_token_ids = frozenset(eos)
+    art.load_seconds = time.perf_counter() - start
+    return art
+
+
+def _warm_up(art: Artifact) -> None:
+    """Run once the graphs a generation as the recipe says (its speculation method, if on) calls, so
+    that the first generation's first token and first probe do not pay the sessions' first runs."""
+    from runtime.request import method_settings, speculation_method
+    from runtime.speculative import warm_up
+
+    method = speculation_method(art, None)
+    warm_up(art, method, method_settings(art, method, None, None))

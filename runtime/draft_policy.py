@@ -23,7 +23,8 @@ averaged in), since the machine, its load, host work and the interplay of sessio
 first rounds are then plain steps, to measure what drafting must beat. The runtime adapts only when
 the TLM is greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
-estimate starts at a prior worth a few drafts. After a run of plain rounds the policy drafts once
+estimate starts at a prior worth a few drafts (per kind where the drafter knows one: an n-gram table's
+held-out agreement at each confidence). After a run of plain rounds the policy drafts once
 (a probe), so a generation whose text turns predictable later is noticed: with the smallest k, or
 for independent drafts with the k of the best expected rate (the smallest while drafting looks
 hopeless, a longer one near break-even, where k independent verdicts can settle the question in
@@ -62,6 +63,7 @@ class DraftPolicy:
         adapt_costs: bool = True,
         prior: float = 0.5,
         prior_weight: float = 4.0,
+        priors: dict[int, float] | None = None,
         smoothing: float = 0.2,
         probe_every: int = 8,
         probe_share: float = 0.02,
@@ -85,6 +87,7 @@ class DraftPolicy:
         self.tried: set[int] = set()  # draft lengths run at least once (whose sessions are warm)
         self.plain_wanted = 2  # warm plain steps to measure before drafting (first, and on re-measuring)
         self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
+        self.priors = priors or {}  # kind -> prior acceptance, where known (else `prior`)
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
         self.remeasure_every, self.margin, self.independent = remeasure_every, margin, independent
         # Per kind of draft (a lookup's match length: a 1-token match is right far less often than a
@@ -109,7 +112,8 @@ class DraftPolicy:
     def acceptance(self) -> float:
         """The acceptance estimate of this round's kind of draft."""
         tested, accepted = self.counts.get(self.kind, (0, 0))
-        return (accepted + self.prior * self.prior_weight) / (tested + self.prior_weight)
+        prior = self.priors.get(self.kind, self.prior)
+        return (accepted + prior * self.prior_weight) / (tested + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
         a = self.acceptance

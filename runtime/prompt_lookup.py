@@ -54,6 +54,16 @@ def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | N
     return n, found
 
 
+def table_priors(table: NgramTable | None) -> dict[int, float]:
+    """The policy's prior acceptance of each kind of table draft: how often a guess that sure was right
+    on answers the table did not count (its record; recipes/ngram_draft.py). A fresh policy drafted
+    3 tokens at a time on 0.3-sure guesses with the default prior of 0.5, and lost its first answers."""
+    if table is None:
+        return {}
+    rates = table.record.get("held_out", {}).get("by_confidence", {})
+    return {TABLE_KIND + round(float(c) * 10): r["right"] for c, r in rates.items()}
+
+
 class PromptLookup:
     name = "prompt_lookup"
 

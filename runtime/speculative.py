@@ -21,7 +21,7 @@ from runtime.artifact import Artifact
 from runtime.draft_model import DraftModelDrafter
 from runtime.draft_policy import DraftPolicy
 from runtime.lookahead import Lookahead, LookaheadPolicy
-from runtime.prompt_lookup import PromptLookup
+from runtime.prompt_lookup import PromptLookup, table_priors
 from runtime.proposal import Drafter, Proposal
 from runtime.rejection import verify_round
 from runtime.request import lookahead_rows, scoring_draft_lengths
@@ -101,6 +101,20 @@ def _policy(art: Artifact, key: tuple, make: Callable[[], DraftPolicy], adaptive
     return policy
 
 
+def warm_up(art: Artifact, method: str | None, settings: object) -> None:
+    """Run once each graph that a generation with `method` may call and that has not run yet: a
+    session's first run allocates (ModelRunner.warm_up), and inside a generation it would cost a
+    first probe or the first token several steps' time."""
+    tlm = art.tlm
+    rows = {None: [], "draft": [k + 1 for k in scoring_draft_lengths(art)],
+            "lookahead": [lookahead_rows(art, settings)] if method == "lookahead" else []}.get(method)
+    if rows is None:  # prompt lookup
+        rows = [k + 1 for k in range(1, settings.max_draft + 1)]
+    tlm.warm_up([graph_io.PREFILL, graph_io.DECODE, *(tlm.graph_for(r) for r in rows)])
+    if method == "draft":
+        art.dlm.warm_up(art.dlm.graphs)
+
+
 def make_drafter(art: Artifact, method: str, settings: object, params: SamplingParams,
                  draft_params: SamplingParams, rng: np.random.Generator, draft_length: int | None) -> Drafter:
     """The drafter for `method`, with its policy costed from the compiler's measured graph costs."""
@@ -116,22 +130,21 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         dlm_step = art.manifest.models["dlm"].graphs[graph_io.DECODE].cost_ms or None
         policy = _policy(art, ("draft",), lambda: DraftPolicy(
             {k: cost(k + 1) for k in ks}, decode, dlm_step, draft_length, adapt), adapt and draft_length is None)
-        art.tlm.warm_up(art.tlm.graph_for(k + 1) for k in ks)  # a first run allocates: not inside a round
-        art.dlm.warm_up(art.dlm.graphs)
+        warm_up(art, method, settings)
         return DraftModelDrafter(art.dlm, draft_params, policy, rng)
     if method == "prompt_lookup":
         assert isinstance(settings, PromptLookupSettings)
-        art.tlm.warm_up(art.tlm.graph_for(k + 1) for k in range(1, settings.max_draft + 1))
+        warm_up(art, method, settings)
         fixed = draft_length or (None if settings.adaptive else settings.max_draft)
         table = art.ngram_table if settings.table else None
         key = ("prompt_lookup", settings.ngram, settings.max_draft, table is not None, settings.min_confidence)
         policy = _policy(art, key, lambda: DraftPolicy(
-            {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt, independent=False),
-            adapt and fixed is None)
+            {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt, independent=False,
+            priors=table_priors(table)), adapt and fixed is None)
         return PromptLookup(settings, policy, table)
     assert method == "lookahead" and isinstance(settings, LookaheadSettings)
     t = lookahead_rows(art, settings)
-    art.tlm.warm_up([art.tlm.graph_for(t)])
+    warm_up(art, method, settings)
     fixed = None if settings.adaptive else 1
     key = ("lookahead", settings.ngram, settings.window, settings.guesses)
     policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),

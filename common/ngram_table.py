@@ -50,7 +50,7 @@ class NgramTable:
     def __post_init__(self) -> None:
         # Consulted every round, kept per process: a context is one int (its tokens + 1 as digits of
         # base vocab_size + 1, the last token lowest), its guess one int (token * 1024 + confidence in
-        # thousandths): 93,635 contexts take ~10 MB and a chain of guesses a few microseconds.
+        # thousandths): 93,635 contexts take ~14 MB and a chain of guesses ~10 microseconds.
         self._base = self.vocab_size + 1
         powers = [self._base ** i for i in range(self.order - 1, -1, -1)]
         exact = self._base ** self.order < 2**63  # int64 holds every key; else Python ints (object arrays)
@@ -67,7 +67,7 @@ class NgramTable:
         """The next token after `text` by its longest context in the table, with its confidence."""
         found, key, scale = None, 0, 1
         for i in range(1, min(self.order, len(text)) + 1):
-            key += (text[-i] + 1) * scale
+            key += (int(text[-i]) + 1) * scale  # Python ints: keys may pass int64 for large vocabularies
             scale *= self._base
             found = self._guesses.get(key, found)
         return None if found is None else (found >> 10, (found & 1023) / 1000)
@@ -115,16 +115,13 @@ class NgramTable:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged zip or JSON, whatever the reader raises
             raise NgramTableError(f"n-gram table {path} cannot be read: {exc}") from None
-        if meta.get("format") != FORMAT:
-            raise NgramTableError(f"n-gram table {path} has format {meta.get('format')!r}; this version reads {FORMAT}")
-        order, m = meta["order"], len(arrays["next"])
-        c = arrays["contexts"]
-        if c.shape != (m, order) or any(arrays[k].shape != (m,) for k in ("hits", "total")):
-            raise NgramTableError(f"n-gram table {path}: array shapes disagree with each other")
-        if m and (c.max() >= meta["vocab_size"] or arrays["next"].max() >= meta["vocab_size"]
-                  or arrays["next"].min() < 0 or (c[:, -1] < 0).any()):
-            raise NgramTableError(f"n-gram table {path}: token ids outside [0, {meta['vocab_size']})")
-        return cls(order, meta["vocab_size"], meta["vocab_sha256"], c.astype(np.int32),
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise NgramTableError(f"n-gram table {path} has format {found!r}; this version reads {FORMAT}")
+        problem = _check(arrays, meta)
+        if problem:
+            raise NgramTableError(f"n-gram table {path}: {problem}")
+        return cls(meta["order"], meta["vocab_size"], meta["vocab_sha256"], arrays["contexts"].astype(np.int32),
                    arrays["next"].astype(np.int32), arrays["hits"].astype(np.int32),
                    arrays["total"].astype(np.int32), meta.get("record", {}))
 
@@ -133,3 +130,23 @@ class NgramTable:
         if vocab_fingerprint(tokenizer_dir) != self.vocab_sha256 or self.vocab_size != vocab_size:
             raise NgramTableError(f"the n-gram table was counted with another tokenizer than {where}'s: "
                                   "rebuild it for this model with `python -m recipes.ngram_draft`")
+
+
+def _check(arrays: dict[str, np.ndarray], meta: dict) -> str | None:
+    """What is wrong with a table's arrays and metadata (None: nothing), so that a damaged file can
+    never put an out-of-range id before the TLM."""
+    order, vocab = meta.get("order"), meta.get("vocab_size")
+    if not (isinstance(order, int) and order >= 1 and isinstance(vocab, int) and vocab >= 1
+            and isinstance(meta.get("vocab_sha256"), str)):
+        return "its metadata lacks order, vocab_size or vocab_sha256"
+    c, m = arrays["contexts"], len(arrays["next"])
+    if any(a.dtype.kind not in "iu" for a in arrays.values()):
+        return "arrays must hold integers"
+    if c.shape != (m, order) or any(arrays[k].shape != (m,) for k in ("next", "hits", "total")):
+        return "array shapes disagree with each other"
+    if m and (c.max() >= vocab or c.min() < -1 or (c[:, -1] < 0).any() or arrays["next"].max() >= vocab
+              or arrays["next"].min() < 0):
+        return f"token ids outside [0, {vocab})"
+    if m and (arrays["total"].min() < 1 or arrays["hits"].min() < 1 or (arrays["hits"] > arrays["total"]).any()):
+        return "counts must satisfy 1 <= hits <= total"
+    return None

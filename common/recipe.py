@@ -84,6 +84,8 @@ class PromptLookupSettings:
 
     def check(self, where: str = "prompt_lookup") -> PromptLookupSettings:
         _check_ints(self, where, {"ngram": 1, "max_draft": 1})
+        if self.ngram > 64:  # match lengths are kinds of draft below the table's (runtime/prompt_lookup.py)
+            raise ValueError(f"{where}.ngram must be <= 64, got {self.ngram}")
         if not isinstance(self.table, bool):
             raise TypeError(f"{where}.table must be true or false, got {self.table!r}")
         if isinstance(self.min_confidence, bool) or not isinstance(self.min_confidence, int | float) \

@@ -18,7 +18,7 @@ import json
 import random
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,16 +81,23 @@ def instructions(exclude: Sequence[str] = (), seed: int = 7) -> list[str]:
     return [p for p in dict.fromkeys(out) if p not in set(exclude)]
 
 
-def count(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], order: int = ORDER,
-          min_count: int = MIN_COUNT) -> dict[tuple[int, ...], Counter]:
-    """Next-token counts of every context of 1..order tokens inside each answer (its `CONTEXT`
-    prompt tokens may start a context), kept where the context occurred min_count times or more."""
-    counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+def positions(sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Iterator[tuple[list[int], int]]:
+    """Every answer position as (text, i): the answer after its prompt's last `CONTEXT` tokens (which
+    may start a context), and the index of a token of the answer."""
     for prompt, answer in sequences:
         seq = [*prompt[-CONTEXT:], *answer]
         for i in range(min(CONTEXT, len(prompt)), len(seq)):
-            for n in range(1, min(order, i) + 1):
-                counts[tuple(seq[i - n : i])][seq[i]] += 1
+            yield seq, i
+
+
+def count(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], order: int = ORDER,
+          min_count: int = MIN_COUNT) -> dict[tuple[int, ...], Counter]:
+    """Next-token counts of every context of 1..order tokens before each answer token, kept where
+    the context occurred min_count times or more."""
+    counts: dict[tuple[int, ...], Counter] = defaultdict(Counter)
+    for seq, i in positions(sequences):
+        for n in range(1, min(order, i) + 1):
+            counts[tuple(seq[i - n : i])][seq[i]] += 1
     return {c: n for c, n in counts.items() if n.total() >= min_count}
 
 
@@ -111,21 +118,20 @@ def agreement(table: NgramTable, sequences: Sequence[tuple[Sequence[int], Sequen
     tenth (where the guess is that sure, how often it is right, and how many positions that is)."""
     seen = np.zeros(11, np.int64)
     right = np.zeros(11, np.int64)
-    positions = 0
-    for prompt, answer in sequences:
-        seq = [*prompt[-CONTEXT:], *answer]
-        for i in range(min(CONTEXT, len(prompt)), len(seq)):
-            positions += 1
-            found = table.guess(seq[:i])
-            if found is not None:
-                tenth = int(found[1] * 10)
-                seen[tenth] += 1
-                right[tenth] += found[0] == seq[i]
+    total = 0
+    for seq, i in positions(sequences):
+        total += 1
+        found = table.guess(seq[:i])
+        if found is not None:
+            tenth = int(found[1] * 10)
+            seen[tenth] += 1
+            right[tenth] += found[0] == seq[i]
+    total = max(total, 1)
     return {
-        "positions": positions,
-        "guessed": int(seen.sum()) / positions,
-        "top1": int(right.sum()) / positions,
-        "by_confidence": {f"{t / 10:.1f}": {"share": int(seen[t]) / positions, "right": int(right[t]) / int(seen[t])}
+        "positions": total,
+        "guessed": int(seen.sum()) / total,
+        "top1": int(right.sum()) / total,
+        "by_confidence": {f"{t / 10:.1f}": {"share": int(seen[t]) / total, "right": int(right[t]) / int(seen[t])}
                           for t in range(11) if seen[t]},
     }
 
@@ -156,12 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m recipes.ngram_draft", description=main.__doc__)
     p.add_argument("--recipe", default=DEFAULT_RECIPE)
     p.add_argument("--out", type=Path, help="default: recipes/builtin/<recipe>-ngrams.npz")
-    p.add_argument("--artifact", type=Path, help="an artifact of the recipe with >= 1,700 KV slots (default: "
-                   "built into the cache)")
+    p.add_argument("--artifact", type=Path, help="an artifact of the recipe with KV slots for --batch answers "
+                   "at once (default: built into the cache with batch x 224 slots)")
     p.add_argument("--batch", type=int, default=10, help="questions decoded together")
     p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS, help="longest answer")
     p.add_argument("--limit", type=int, help="only the first N instructions (a quick try)")
     args = p.parse_args(argv)
+    for name in ("batch", "answer_tokens", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     recipe = get_recipe(args.recipe)
     out = args.out or BUILTIN_DIR / f"{recipe.name}-ngrams.npz"
     start = time.time()
@@ -181,7 +190,6 @@ def main(argv: list[str] | None = None) -> None:
               "tokens_counted": sum(len(a) for _, a in counted), "answer_tokens": args.answer_tokens}
     table = table_from_counts(count(counted), ORDER, Path(artifact) / "tokenizer", vocab_size, record)
     record |= {"contexts": len(table), "held_out": agreement(table, held_out), "seconds": round(time.time() - start)}
-    table.record = record
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")

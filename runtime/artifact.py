@@ -131,6 +131,9 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
             table = NgramTable.load(path / ngram_table.FILE)
         except NgramTableError as exc:
             raise ArtifactError(f"artifact {path}: {exc}") from None
+        if table.vocab_size != manifest.models["tlm"].dims.vocab_size:
+            raise ArtifactError(f"artifact {path}: its n-gram table is for a vocabulary of {table.vocab_size} tokens, "
+                                f"the TLM has {manifest.models['tlm'].dims.vocab_size}")
     art = Artifact(path=path, manifest=manifest, tokenizer=tokenizer, runners=runners, load_seconds=0.0,
                    ngram_table=table)
     _warm_up(art)

@@ -11,6 +11,8 @@ free drafts, acceptance per kind of draft), and no draft means a plain decode st
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import numpy as np
 
 from common.ngram_table import NgramTable
@@ -19,15 +21,10 @@ from runtime.draft_policy import DraftPolicy
 from runtime.proposal import Proposal
 
 
-def lookup(text: np.ndarray, ngram: int, max_draft: int) -> np.ndarray:
-    """Up to max_draft tokens that followed the latest earlier match of text's last n tokens,
-    for the longest n <= ngram that matches (empty when none does)."""
-    return lookup_match(text, ngram, max_draft)[1]
-
-
 def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.ndarray]:
-    """lookup's tokens, and the n that matched (0: none). Runs every round, so it only compares the
-    last token everywhere, then its few earlier occurrences' predecessors."""
+    """Up to max_draft tokens that followed the latest earlier match of text's last n tokens, for the
+    longest n <= ngram that matches (empty when none does), and that n (0: none). Runs every round,
+    so it only compares the last token everywhere, then its few earlier occurrences' predecessors."""
     last = len(text) - 1
     ends = np.flatnonzero(text[:-1] == text[-1]) if last > 0 else text[:0]  # where a match can end
     for n in range(min(ngram, last), 0, -1):
@@ -39,29 +36,34 @@ def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.
     return 0, text[:0]
 
 
-TABLE_KIND = 100  # kinds of draft: a match of n tokens is kind n; a table guess 100 + its confidence in tenths
+TABLE_KIND = 100  # kinds of draft: a match of n tokens is n (n <= 64); a table guess 100 + its confidence in tenths
 
 
-def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | None) -> tuple[int, np.ndarray]:
+def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | None,
+          table_kinds: Container[int] | None = None) -> tuple[int, np.ndarray]:
     """This round's draft and its kind (0: none). A match of one token was right 18% of the time on the
-    default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9+ 85%
-    (docs/benchmarks.md): the table takes over where the text offers only a 1-token match."""
+    default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9 and
+    above about 80% (docs/benchmarks.md): the table takes over where the text offers only a 1-token
+    match. `table_kinds`: the kinds of table draft to offer (None: all)."""
     n, found = lookup_match(np.asarray(text, np.int64), settings.ngram, settings.max_draft)
     if n < 2 and table is not None and settings.table:
         confidence, guessed = table.chain(text, settings.max_draft, settings.min_confidence)
-        if guessed:
-            return TABLE_KIND + int(confidence * 10), np.asarray(guessed, np.int64)
+        kind = TABLE_KIND + int(confidence * 10)
+        if guessed and (table_kinds is None or kind in table_kinds):
+            return kind, np.asarray(guessed, np.int64)
     return n, found
 
 
 def table_priors(table: NgramTable | None) -> dict[int, float]:
     """The policy's prior acceptance of each kind of table draft: how often a guess that sure was right
-    on answers the table did not count (its record; recipes/ngram_draft.py). A fresh policy drafted
-    3 tokens at a time on 0.3-sure guesses with the default prior of 0.5, and lost its first answers."""
+    on answers the table did not count (its record; recipes/ngram_draft.py), else the confidence
+    itself. A fresh policy drafted 3 tokens at a time on 0.3-sure guesses with the default prior of
+    0.5, and lost its first answers."""
     if table is None:
         return {}
     rates = table.record.get("held_out", {}).get("by_confidence", {})
-    return {TABLE_KIND + round(float(c) * 10): r["right"] for c, r in rates.items()}
+    held_out = {TABLE_KIND + round(float(c) * 10): r["right"] for c, r in rates.items()}
+    return {TABLE_KIND + tenth: held_out.get(TABLE_KIND + tenth, tenth / 10) for tenth in range(11)}
 
 
 class PromptLookup:

@@ -33,7 +33,7 @@ from runtime.artifact import Artifact
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
-from runtime.prompt_lookup import draft
+from runtime.prompt_lookup import draft, table_priors
 from runtime.proposal import Proposal
 from runtime.rejection import verify_round
 from runtime.request import Decoding, Speculation
@@ -140,6 +140,11 @@ class Scheduler:
                           prefix_cache_tokens=0, prefix_cache_evicted=0)
         self._wake = threading.Condition()
         self.policy = BatchDraftPolicy(self._call_ms)
+        # A batch's policy pools acceptance over every request, so it cannot decline a poor kind of draft
+        # as a single generation's does: the table drafts here only at confidences that were right at
+        # least half the time on held-out answers (0.7 and above for the default recipe's table).
+        priors = table_priors(art.ngram_table)
+        self._table_kinds = {kind for kind, right in priors.items() if right >= 0.5}
         self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)
@@ -322,8 +327,8 @@ class Scheduler:
             self.stats["prefix_cache_evicted"] = forest.cache.evicted
 
     def _propose(self, forest: Forest, dlm: Forest | None, reqs: list[Request]) -> dict[int, Proposal]:
-        """This round's drafts of each speculating request: prompt lookup's match, or a chain sampled
-        from the DLM with every drafting request's i-th draft in one call."""
+        """This round's drafts of each speculating request: prompt lookup's match or n-gram table
+        guesses, or a chain sampled from the DLM with every drafting request's i-th draft in one call."""
         out, drafting = {}, []
         greedy = [r for r in reqs if not r.decoding.params.do_sample]  # sampled ones keep their fixed length
         k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
@@ -333,7 +338,7 @@ class Scheduler:
                        forest.runner.max_length - 1 - req.branch.length)
             if req.spec.method == "prompt_lookup":
                 s = req.spec.settings
-                _, found = draft(req.prompt + req.tokens, s, self.art.ngram_table)
+                _, found = draft(req.prompt + req.tokens, s, self.art.ngram_table, self._table_kinds)
                 out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
             elif req.spec.method == "lookahead":  # a window step, unless the batch policy says a plain one
                 if req.drafter is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,13 +71,20 @@ def test_save_load_round_trip_and_damaged_files_are_refused(tmp_path):
              total=np.zeros(1), meta=np.array("{}"))
     with pytest.raises(NgramTableError, match="cannot be read"):  # never unpickled
         NgramTable.load(tmp_path / "obj.npz")
-    bad = replace(table, next=table.next + 1000)
-    bad.save(tmp_path / "ids.npz")
-    with pytest.raises(NgramTableError, match="token ids"):
-        NgramTable.load(tmp_path / "ids.npz")
+    arrays = {k: getattr(table, k) for k in ("contexts", "next", "hits", "total")}
+    meta = {"format": 1, "order": 3, "vocab_size": 260, "vocab_sha256": table.vocab_sha256}
+    for change, words in [({"next": table.next + 1000}, "token ids"), ({"hits": table.total + 1}, "counts"),
+                          ({"contexts": table.contexts[:, :2]}, "shapes"), ({"meta": {"format": 1}}, "metadata"),
+                          ({"meta": {**meta, "format": 9}}, "format 9"), ({"meta": [1]}, "format None"),
+                          ({"total": table.total.astype(np.float32)}, "integers")]:
+        given = arrays | {"meta": meta} | change
+        np.savez(tmp_path / "bad.npz", **{k: v for k, v in given.items() if k != "meta"},
+                 meta=np.array(json.dumps(given["meta"])))
+        with pytest.raises(NgramTableError, match=words):
+            NgramTable.load(tmp_path / "bad.npz")
 
 
-def test_a_table_from_another_tokenizer_is_refused(tmp_path, checkpoints):
+def test_a_table_from_another_tokenizer_is_refused(tmp_path):
     table = table_of([([0, 1], [5, 6, 7])], tmp_path)
     table.check_vocabulary(tmp_path / "tok", 260, "the TLM")
     other = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
@@ -100,6 +108,7 @@ def test_draft_prefers_a_long_match_then_the_table_then_a_short_match(tmp_path):
     assert draft([5, 9, 4, 5], replace(s, table=False), table)[0] == 1  # off: the 1-token match
     assert draft([5, 9, 4, 5], s, None)[0] == 1
     assert draft([33, 9, 4, 33], s, table)[0] == 1  # nothing in the table after 33
+    assert draft([5, 9, 4, 5], s, table, table_kinds={TABLE_KIND + 9})[0] == 1  # a kind not offered: the match
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +187,7 @@ def test_the_server_scheduler_drafts_from_the_table_too(with_table, monkeypatch)
 
     monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
     art, answers = with_table
-    art.eos_token_ids = frozenset()
+    monkeypatch.setattr(art, "eos_token_ids", frozenset())
 
     def serve(table):
         art.ngram_table, saved = table, art.ngram_table
@@ -226,9 +235,32 @@ def test_table_kinds_start_at_the_tables_held_out_agreement(tmp_path):
     table.record = {"held_out": {"by_confidence": {"0.4": {"share": 0.5, "right": 0.1},
                                                    "0.9": {"share": 0.5, "right": 0.9}}}}
     priors = table_priors(table)
-    assert priors == {TABLE_KIND + 4: 0.1, TABLE_KIND + 9: 0.9} and table_priors(None) == {}
+    assert priors[TABLE_KIND + 4] == 0.1 and priors[TABLE_KIND + 9] == 0.9 and table_priors(None) == {}
+    assert priors[TABLE_KIND + 6] == 0.6 and len(priors) == 11  # no held-out rate: the confidence itself
     policy = DraftPolicy({1: 1.2, 2: 1.3}, 1.0, 0.0, adapt_costs=False, independent=False, priors=priors)
     assert policy.choose(2, kind=TABLE_KIND + 4) == 0  # right 10% of the time: a plain step is faster
     assert policy.choose(2, kind=TABLE_KIND + 9) == 2
     assert policy.choose(2, kind=3) > 0  # a kind without a prior starts at 0.5
     assert DraftPolicy({1: 1.2, 2: 1.3}, 1.0, 0.0, adapt_costs=False, prior=0.1).choose(2, kind=3) == 0
+
+
+def test_large_vocabularies_pack_keys_past_int64(tmp_path, monkeypatch):
+    """A vocabulary whose (V + 1)^order passes int64 (Llama-3's and Qwen's do at order 4): Python-int keys,
+    also for numpy token ids."""
+    monkeypatch.setattr(ngram_draft, "vocab_fingerprint", lambda tokenizer_dir: "x")
+    big = 2**20
+    sequences = [([0], [big - 1, 7, big - 2, 7]), ([0], [big - 1, 7, big - 2, 7])]
+    table = ngram_draft.table_from_counts(ngram_draft.count(sequences, 4, 2), 4, Path("unused"), big, {})
+    assert table.guess([0, big - 1, 7]) == (big - 2, 1.0)
+    assert table.guess(np.array([0, big - 1, 7, big - 2], np.int64)) == (7, 1.0)
+    assert table.guess([5, big - 1, 7]) == (big - 2, 1.0)  # (5, V-1, 7) unseen: (V-1, 7) answers
+
+
+def test_warming_graphs_leaves_the_cache_and_the_text_alone(with_table):
+    art, answers = with_table
+    prompt, ar = answers[0]
+    first = runtime.generate(art, prompt, max_new_tokens=30, speculative=False)
+    art.tlm.warm.clear()
+    art.tlm.warm_up(art.tlm.graphs)  # every graph runs on padding again
+    again = runtime.generate(art, prompt, max_new_tokens=30, speculative=False)
+    assert first.token_ids == again.token_ids == ar and again.metrics.cached_prompt_tokens > 0

@@ -15,7 +15,7 @@ import runtime.rejection as rejection_module
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from runtime.model_runner import ModelRunner
-from runtime.prompt_lookup import lookup
+from runtime.prompt_lookup import lookup_match
 from tests.conftest import tiny_recipe
 
 
@@ -263,7 +263,7 @@ def test_the_dlm_is_fed_the_prompt_only_at_its_first_draft(arts):
 
 
 def test_prompt_lookup_finds_the_latest_longest_match():
-    """`lookup` against the plain definition (every window of every length compared), on random texts over
+    """`lookup_match` against the plain definition (every window of every length compared), on random texts over
     small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 4."""
     rng = np.random.default_rng(7)
 
@@ -278,7 +278,7 @@ def test_prompt_lookup_finds_the_latest_longest_match():
     for _ in range(2000):
         text = rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(0, 60))).tolist()
         ngram, max_draft = int(rng.integers(1, 5)), int(rng.integers(1, 9))
-        got = lookup(np.asarray(text, np.int64), ngram, max_draft).tolist()
+        got = lookup_match(np.asarray(text, np.int64), ngram, max_draft)[1].tolist()
         assert got == reference(text, ngram, max_draft), (text, ngram, max_draft)
         found += bool(got)
     assert 500 < found < 2000  # matches and misses both

@@ -136,6 +136,23 @@ def agreement(table: NgramTable, sequences: Sequence[tuple[Sequence[int], Sequen
     }
 
 
+def match_agreement(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], ngram: int = 3) -> dict:
+    """The same for prompt lookup's matches in the text so far (prompt and answer), per match length:
+    what the draft policy expects of each kind of draft before it has seen any (runtime/prompt_lookup.py)."""
+    from runtime.prompt_lookup import lookup_match
+
+    seen, right, total = Counter(), Counter(), 0
+    for prompt, reply in sequences:
+        text = np.asarray([*prompt, *reply], np.int64)
+        for i in range(len(prompt), len(text)):
+            total += 1
+            n, found = lookup_match(text[:i], ngram, 1)
+            if n:
+                seen[n] += 1
+                right[n] += int(found[0] == text[i])
+    return {str(n): {"share": seen[n] / max(total, 1), "right": right[n] / seen[n]} for n in sorted(seen)}
+
+
 def answer(artifact_dir: Path, prompts: Sequence[str], batch: int, tokens: int = ANSWER_TOKENS,
            progress: bool = True) -> list[tuple[list, list]]:
     """The TLM's greedy answers (prompt ids, answer ids), `batch` questions decoded together."""
@@ -189,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
               "prompts_counted": len(counted), "prompts_held_out": len(held_out),
               "tokens_counted": sum(len(a) for _, a in counted), "answer_tokens": args.answer_tokens}
     table = table_from_counts(count(counted), ORDER, Path(artifact) / "tokenizer", vocab_size, record)
-    record |= {"contexts": len(table), "held_out": agreement(table, held_out), "seconds": round(time.time() - start)}
+    rates = agreement(table, held_out) | {"by_match_length": match_agreement(held_out, recipe.prompt_lookup.ngram)}
+    record |= {"contexts": len(table), "held_out": rates, "seconds": round(time.time() - start)}
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")

@@ -23,8 +23,8 @@ averaged in), since the machine, its load, host work and the interplay of sessio
 first rounds are then plain steps, to measure what drafting must beat. The runtime adapts only when
 the TLM is greedy, where the output does not depend on k. When it samples, choices must depend on nothing
 but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
-estimate starts at a prior worth a few drafts (per kind where the drafter knows one: an n-gram table's
-held-out agreement at each confidence). After a run of plain rounds the policy drafts once
+estimate starts at a prior worth a few drafts (per kind where the drafter knows one: how often such a
+draft was right on an n-gram table's held-out answers). After a run of plain rounds the policy drafts once
 (a probe), so a generation whose text turns predictable later is noticed: with the smallest k, or
 for independent drafts with the k of the best expected rate (the smallest while drafting looks
 hopeless, a longer one near break-even, where k independent verdicts can settle the question in

@@ -55,15 +55,16 @@ def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | N
 
 
 def table_priors(table: NgramTable | None) -> dict[int, float]:
-    """The policy's prior acceptance of each kind of table draft: how often a guess that sure was right
-    on answers the table did not count (its record; recipes/ngram_draft.py), else the confidence
-    itself. A fresh policy drafted 3 tokens at a time on 0.3-sure guesses with the default prior of
-    0.5, and lost its first answers."""
+    """The policy's prior acceptance of each kind of draft, from the table's record of the answers it
+    did not count (recipes/ngram_draft.py): how often a table guess that sure was right (else the
+    confidence itself), and a text match of that length. A fresh policy drafted 3 tokens at a time on
+    0.3-sure guesses with the default prior of 0.5, and lost its first answers."""
     if table is None:
         return {}
-    rates = table.record.get("held_out", {}).get("by_confidence", {})
-    held_out = {TABLE_KIND + round(float(c) * 10): r["right"] for c, r in rates.items()}
-    return {TABLE_KIND + tenth: held_out.get(TABLE_KIND + tenth, tenth / 10) for tenth in range(11)}
+    held_out = table.record.get("held_out", {})
+    rates = {TABLE_KIND + round(float(c) * 10): r["right"] for c, r in held_out.get("by_confidence", {}).items()}
+    matches = {int(n): r["right"] for n, r in held_out.get("by_match_length", {}).items()}
+    return matches | {TABLE_KIND + tenth: rates.get(TABLE_KIND + tenth, tenth / 10) for tenth in range(11)}
 
 
 class PromptLookup:

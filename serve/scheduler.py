@@ -33,7 +33,7 @@ from runtime.artifact import Artifact
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
-from runtime.prompt_lookup import draft, table_priors
+from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
 from runtime.proposal import Proposal
 from runtime.rejection import verify_round
 from runtime.request import Decoding, Speculation
@@ -144,7 +144,7 @@ class Scheduler:
         # as a single generation's does: the table drafts here only at confidences that were right at
         # least half the time on held-out answers (0.7 and above for the default recipe's table).
         priors = table_priors(art.ngram_table)
-        self._table_kinds = {kind for kind, right in priors.items() if right >= 0.5}
+        self._table_kinds = {kind for kind, right in priors.items() if kind >= TABLE_KIND and right >= 0.5}
         self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)

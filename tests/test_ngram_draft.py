@@ -176,6 +176,7 @@ def test_the_build_command_answers_counts_and_writes_a_record(artifact_dir, tmp_
     assert record["prompts_counted"] + record["prompts_held_out"] == 12 and record["prompts_held_out"] == 2
     assert 0 < record["tokens_counted"] <= 10 * 8 and len(table) == record["contexts"] > 0
     assert 0 <= record["held_out"]["top1"] <= record["held_out"]["guessed"] <= 1
+    assert all(0 <= r["right"] <= 1 for r in record["held_out"]["by_match_length"].values())
     assert "What is gravity?" not in ngram_draft.instructions(exclude=["What is gravity?"])
     assert "contexts from" in capsys.readouterr().out
 
@@ -233,10 +234,12 @@ def test_table_kinds_start_at_the_tables_held_out_agreement(tmp_path):
 
     table = table_of([([0], [5, 6])], tmp_path)
     table.record = {"held_out": {"by_confidence": {"0.4": {"share": 0.5, "right": 0.1},
-                                                   "0.9": {"share": 0.5, "right": 0.9}}}}
+                                                   "0.9": {"share": 0.5, "right": 0.9}},
+                                 "by_match_length": {"1": {"share": 0.3, "right": 0.15}}}}
     priors = table_priors(table)
     assert priors[TABLE_KIND + 4] == 0.1 and priors[TABLE_KIND + 9] == 0.9 and table_priors(None) == {}
-    assert priors[TABLE_KIND + 6] == 0.6 and len(priors) == 11  # no held-out rate: the confidence itself
+    assert priors[TABLE_KIND + 6] == 0.6 and len(priors) == 12  # no held-out rate: the confidence itself
+    assert priors[1] == 0.15 and 2 not in priors  # a 1-token text match, as measured; 2 tokens: the default
     policy = DraftPolicy({1: 1.2, 2: 1.3}, 1.0, 0.0, adapt_costs=False, independent=False, priors=priors)
     assert policy.choose(2, kind=TABLE_KIND + 4) == 0  # right 10% of the time: a plain step is faster
     assert policy.choose(2, kind=TABLE_KIND + 9) == 2
@@ -264,3 +267,10 @@ def test_warming_graphs_leaves_the_cache_and_the_text_alone(with_table):
     art.tlm.warm_up(art.tlm.graphs)  # every graph runs on padding again
     again = runtime.generate(art, prompt, max_new_tokens=30, speculative=False)
     assert first.token_ids == again.token_ids == ar and again.metrics.cached_prompt_tokens > 0
+
+
+def test_match_agreement_counts_what_a_text_match_proposed():
+    # text 7 8 9 7 8 | answer 9 7 5: after "7 8" (a 2-token match of 7 8 -> 9) comes 9, right; after
+    # "7 8 9" (3-token match -> 7) comes 7, right; after "8 9 7" (3-token match -> 8) comes 5, wrong
+    rates = ngram_draft.match_agreement([([7, 8, 9, 7, 8], [9, 7, 5])], ngram=3)
+    assert rates == {"2": {"share": 1 / 3, "right": 1.0}, "3": {"share": 2 / 3, "right": 0.5}}

@@ -256,9 +256,27 @@ def recipe_from_dict(data: dict[str, Any], where: str = "recipe") -> Recipe:
     return validate(_build(Recipe, data, where))
 
 
+def relative_to_recipe(reference: str, folder: Path) -> str:
+    """A relative path in a recipe file, taken from the file's folder where something is there.
+
+    A recipe then means the same from any working directory. Hugging Face ids, `builtin:` and
+    `package:` references and absolute paths stay as written, and so does a relative path with
+    nothing beside the recipe (the working directory's, as before)."""
+    if not reference or ":" in reference.split("/", 1)[0] or Path(reference).expanduser().is_absolute():
+        return reference
+    beside = folder / reference
+    return str(beside.resolve()) if beside.exists() else reference
+
+
 def load_recipe_file(path: Path) -> Recipe:
     try:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    folder = Path(path).parent
+    for table in (data.get("tlm"), data.get("dlm")):
+        if isinstance(table, dict) and isinstance(table.get("model"), str):
+            table["model"] = relative_to_recipe(table["model"], folder)
+    if isinstance(data.get("ngram_table"), str):
+        data["ngram_table"] = relative_to_recipe(data["ngram_table"], folder)
     return recipe_from_dict(data, where=str(path))

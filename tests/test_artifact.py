@@ -142,6 +142,24 @@ def test_recipes_validate_and_errors_name_the_key():
         recipe_from_dict({"name": "x", "tlm": {"model": "m"}})
 
 
+def test_a_recipe_files_relative_paths_are_taken_from_its_folder(tmp_path, monkeypatch):
+    from recipes import DEFAULT_RECIPE
+
+    folder = tmp_path / "project"
+    (folder / "models" / "tlm").mkdir(parents=True)
+    (folder / "table.npz").write_bytes(b"")
+    recipe_file = folder / "mine.toml"
+    recipe_file.write_text('name = "mine"\nspeculative = false\nngram_table = "table.npz"\n'
+                           '[tlm]\nmodel = "models/tlm"\n[dlm]\nmodel = "org/not-here"\n')
+    monkeypatch.chdir(tmp_path)  # elsewhere: the paths still mean the files beside the recipe
+    recipe = get_recipe(str(recipe_file))
+    assert recipe.tlm.model == str(folder / "models" / "tlm")
+    assert recipe.ngram_table == str(folder / "table.npz")
+    assert recipe.dlm.model == "org/not-here"  # nothing beside the recipe: an id (or the cwd's path), as written
+    shipped = get_recipe(DEFAULT_RECIPE)
+    assert shipped.tlm.model.startswith("package:") and shipped.ngram_table.startswith("builtin:")
+
+
 def test_cli_generates_from_an_artifact(artifact_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "runtime", str(artifact_dir), "--prompt", "def", "--max-new-tokens", "5",

@@ -202,3 +202,41 @@ def test_floor_benchmark_reports_decode_against_the_bandwidth_floor(artifact_dir
     # the fraction is printed to 3 decimals: a small one (a cache-sized probe reads fast) is off by up to 5e-4
     assert out["fraction_of_floor"] == pytest.approx(out["decode_tokens_per_s"] / out["floor_tokens_per_s"], rel=0.02,
                                                      abs=6e-4)
+
+
+def test_sensitivity_ranks_weight_groups_by_what_mxint8_gains(tmp_path, capsys):
+    from benchmarks import sensitivity
+
+    args = ["--recipe", "tiny-stdlib-spd", "--text", "pydoc:topics", "--tokens", "96", "--out", str(tmp_path)]
+    assert sensitivity.main(args + ["--by", "kind"]) == 0
+    kinds = json.loads((tmp_path / "tiny-stdlib-spd" / "sensitivity.json").read_text())
+    assert {r["group"] for r in kinds["rows"]} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}
+    assert [r["gain_per_MB"] for r in kinds["rows"]] == sorted((r["gain_per_MB"] for r in kinds["rows"]), reverse=True)
+    assert kinds["base_kl"] > 0 and kinds["base_int8"] == ["lm_head"]
+    for r in kinds["rows"]:
+        assert r["kl_gain"] == pytest.approx(kinds["base_kl"] - r["kl"], abs=2e-5)
+    # Every linear in MXINT8 is closer to float32 than MXFP6 is (4x finer steps): a base with all of
+    # them leaves nothing to rank, and its KL is a fraction of the MXFP6 base's.
+    assert sensitivity.main(args + ["--base-int8", "proj,lm_head"]) == 0
+    all8 = json.loads((tmp_path / "tiny-stdlib-spd" / "sensitivity.json").read_text())
+    assert all8["rows"] == [] and all8["base_kl"] < kinds["base_kl"] / 2
+    assert sensitivity.main(args + ["--by", "layer"]) == 0
+    layers = json.loads((tmp_path / "tiny-stdlib-spd" / "sensitivity.json").read_text())
+    assert sum(r["tensors"] for r in layers["rows"]) == sum(r["tensors"] for r in kinds["rows"])
+    assert all(r["group"].startswith("layers.") for r in layers["rows"])
+    assert "gain/MB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sensitivity.main(args[:2] + ["--text", str(tmp_path / "missing.txt")])
+
+
+def test_sensitivity_float_model_is_transformers_own():
+    import torch
+
+    from benchmarks.sensitivity import float_model
+    from export.loader import load_model
+
+    model, model_dir = float_model("builtin:stdlib-tlm", 256)
+    x = torch.arange(40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, load_model(model_dir, 256, progress=False)(x).logits)

@@ -1,0 +1,159 @@
+"""Which weights MXFP6 costs most: each group of decoder linears' KL gain when kept in MXINT8, per byte.
+
+    python -m benchmarks.sensitivity [--recipe smollm2-135m-chat] [--text FILE|pydoc:topics] [--tokens 1024]
+                                     [--by kind|layer|tensor] [--base-int8 lm_head] [--out reports]
+
+How a recipe's `mx_int8` list is chosen (docs/benchmarks.md, Accuracy). transformers' float32 model
+of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the first
+--tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
+project's quantizer: MXFP6 in the recipe's format and exponent choice, MXINT8 for the weights named
+by --base-int8 (the LM head by default). That base's mean KL divergence from float32 (nats per token)
+and top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's
+linears, or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and
+gain per extra MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text:
+the Apache-2.0 licence Debian ships, which benchmarks.accuracy does not evaluate on.
+Deterministic: one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from benchmarks.accuracy import held_out_texts
+from export.loader import read_config, resolve_model_dir
+from export.weights import checkpoint_tensors
+from quant import fake_quantize
+from recipes import DEFAULT_RECIPE, get_recipe
+
+CALIBRATION = Path("/usr/share/common-licenses/Apache-2.0")
+GROUPINGS = ("kind", "layer", "tensor")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def float_model(reference: str, context_length: int) -> tuple[PreTrainedModel, Path]:
+    """The checkpoint's float32 model, its weights read as the exporter reads them (safetensors or GGUF),
+    with the LM head a copy of its own (a tied head is quantized apart from the embedding, as exported)."""
+    model_dir = resolve_model_dir(reference, "tlm")
+    config = read_config(model_dir, context_length)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    source = checkpoint_tensors(model_dir)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(source(name))
+        embedding = model.get_input_embeddings().weight
+        if model.lm_head.weight.data_ptr() == embedding.data_ptr():
+            model.lm_head.weight = torch.nn.Parameter(embedding.detach().clone())
+    return model, model_dir
+
+
+def linears(model: PreTrainedModel) -> dict[str, torch.nn.Linear]:
+    """The weights a recipe's MX settings apply to: decoder linears and the LM head, by module name."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and (_LAYER.search(name) or name == "lm_head")}
+
+
+def group_of(name: str, by: str) -> str:
+    if by == "tensor":
+        return name
+    if by == "layer":
+        return f"layers.{_LAYER.search(name).group(1)}."
+    return name.rsplit(".", 1)[-1]  # q_proj, k_proj, ..., down_proj
+
+
+class Scorer:
+    """Float32's log-probabilities once; then any weight assignment's KL and top-1 agreement against them."""
+
+    def __init__(self, model: PreTrainedModel, tokens: torch.Tensor) -> None:
+        self.model, self.tokens = model, tokens
+        self.reference = self._log_probs()
+
+    def _log_probs(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(self.model(self.tokens[None]).logits[0].double(), -1)
+
+    def score(self) -> tuple[float, float]:
+        q = self._log_probs()
+        kl = (self.reference.exp() * (self.reference - q)).sum(-1)
+        top1 = (q.argmax(-1) == self.reference.argmax(-1)).double().mean()
+        return float(kl.mean()), float(top1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=DEFAULT_RECIPE)
+    ap.add_argument("--text", type=Path, default=CALIBRATION, help="calibration text file, or pydoc:topics")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--by", choices=GROUPINGS, default="kind", help="what goes to MXINT8 together")
+    ap.add_argument("--base-int8", default="lm_head", help="comma-separated name fragments in MXINT8 in every "
+                    "run ('' for none)")
+    ap.add_argument("--out", type=Path, default=Path("reports"))
+    args = ap.parse_args(argv)
+    if args.tokens < 2:
+        ap.error("--tokens must be at least 2")
+    recipe = get_recipe(args.recipe)
+    fmt, scale = recipe.tlm.mx_format or "fp6_e2m3", recipe.tlm.mx_scale
+    base_int8 = tuple(f for f in args.base_int8.split(",") if f)
+    t0 = time.perf_counter()
+    model, model_dir = float_model(recipe.tlm.model, recipe.context_length)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        text = "\n\n".join(held_out_texts(args.text))
+    except FileNotFoundError:
+        ap.error(f"no calibration text at {args.text}: pass --text FILE, or pydoc:topics (shipped with Python)")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
+    scorer = Scorer(model, torch.tensor(ids))
+    mods = linears(model)
+    original = {name: m.weight.detach().clone() for name, m in mods.items()}
+
+    def quantized(name: str, f: str) -> torch.Tensor:  # HF weights are [out, in]: blocks run along `in`
+        return torch.from_numpy(fake_quantize(original[name].numpy(), f, axis=1, scale=scale))
+
+    fp6 = {name: quantized(name, fmt) for name in mods}
+    int8 = {name: quantized(name, "int8") for name in mods}
+
+    def assign(in_int8: set[str]) -> None:
+        with torch.no_grad():
+            for name, m in mods.items():
+                m.weight.copy_(int8[name] if name in in_int8 else fp6[name])
+
+    base = {name for name in mods if any(f in name for f in base_int8)}
+    assign(base)
+    base_kl, base_top1 = scorer.score()
+    groups: dict[str, list[str]] = {}
+    for name in mods:
+        if name not in base and name != "lm_head":
+            groups.setdefault(group_of(name, args.by), []).append(name)
+    rows = []
+    for key, names in groups.items():
+        assign(base | set(names))
+        kl, top1 = scorer.score()
+        extra_mb = sum(original[n].numel() for n in names) * 2 / 8 / 1e6  # 8.25 - 6.25 bits per weight
+        rows.append({"group": key, "tensors": len(names), "kl": round(kl, 5), "kl_gain": round(base_kl - kl, 5),
+                     "top1": round(top1, 4), "extra_MB": round(extra_mb, 3),
+                     "gain_per_MB": round((base_kl - kl) / extra_mb, 5)})
+    rows.sort(key=lambda r: -r["gain_per_MB"])
+    report = {"recipe": recipe.name, "text": str(args.text), "tokens": len(ids), "format": fmt, "scale": scale,
+              "base_int8": list(base_int8), "base_kl": round(base_kl, 5), "base_top1": round(base_top1, 4),
+              "by": args.by, "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+    out = args.out / recipe.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sensitivity.json").write_text(json.dumps(report, indent=2))
+    print(f"{recipe.name}: {len(ids)} tokens of {args.text}; base ({fmt}, {scale}; MXINT8: {list(base_int8)}) "
+          f"KL {base_kl:.5f} nats/token, top-1 {base_top1:.2%}")
+    print(f"{'group':<24}{'tensors':>8}{'KL gain':>10}{'top-1':>9}{'extra MB':>10}{'gain/MB':>10}")
+    for r in rows:
+        print(f"{r['group']:<24}{r['tensors']:>8}{r['kl_gain']:>10.5f}{r['top1']:>9.2%}{r['extra_MB']:>10.3f}"
+              f"{r['gain_per_MB']:>10.5f}")
+    print(f"written to {out / 'sensitivity.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,8 +6,9 @@
 How a recipe's `mx_int8` list is chosen (docs/benchmarks.md, Accuracy). transformers' float32 model
 of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the first
 --tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
-project's quantizer: MXFP6 in the recipe's format and exponent choice, MXINT8 for the weights named
-by --base-int8 (the LM head by default). That base's mean KL divergence from float32 (nats per token)
+project's quantizer as the quant pass would store them: the recipe's format and exponent choice,
+MXINT8 for the weights named by --base-int8 (fragments, as `mx_int8`; the LM head by default), the
+LM head float32 unless named there or `mx_lm_head` is set. That base's mean KL divergence from float32 (nats per token)
 and top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's
 linears, or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and
 gain per extra MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text:
@@ -28,13 +29,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from benchmarks.accuracy import held_out_texts
 from export.loader import read_config, resolve_model_dir
+from export.onnx_export import short_name
 from export.weights import checkpoint_tensors
 from quant import fake_quantize
+from quant.onnx_pass import MXPass, selected
 from recipes import DEFAULT_RECIPE, get_recipe
 
 CALIBRATION = Path("/usr/share/common-licenses/Apache-2.0")
 GROUPINGS = ("kind", "layer", "tensor")
-_LAYER = re.compile(r"layers\.(\d+)\.")
+_LAYER = re.compile(r"^(?:layers|h)\.(\d+)\.")
 
 
 def float_model(reference: str, context_length: int) -> tuple[PreTrainedModel, Path]:
@@ -53,36 +56,42 @@ def float_model(reference: str, context_length: int) -> tuple[PreTrainedModel, P
     return model, model_dir
 
 
-def linears(model: PreTrainedModel) -> dict[str, torch.nn.Linear]:
-    """The weights a recipe's MX settings apply to: decoder linears and the LM head, by module name."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and (_LAYER.search(name) or name == "lm_head")}
+def linears(model: PreTrainedModel, lm_head: bool) -> dict[str, torch.nn.Linear]:
+    """The weights the quant pass stores in MX formats, by the graphs' weight names
+    (`layers.0.mlp.up_proj.weight.T`): decoder linears, and the LM head where the recipe quantizes it."""
+    out = {}
+    for name, m in model.named_modules():
+        weight = short_name(name) + ".weight.T"
+        if isinstance(m, torch.nn.Linear) and selected(weight, lm_head):
+            out[weight] = m
+    return out
 
 
 def group_of(name: str, by: str) -> str:
     if by == "tensor":
-        return name
+        return name.removesuffix(".weight.T")
     if by == "layer":
-        return f"layers.{_LAYER.search(name).group(1)}."
-    return name.rsplit(".", 1)[-1]  # q_proj, k_proj, ..., down_proj
+        return f"layers.{_LAYER.match(name).group(1)}."
+    return name.removesuffix(".weight.T").rsplit(".", 1)[-1]  # q_proj, k_proj, ..., down_proj
 
 
 class Scorer:
-    """Float32's log-probabilities once; then any weight assignment's KL and top-1 agreement against them."""
+    """Float32's next-token distribution once; then any weight assignment's KL and top-1 agreement with it."""
 
     def __init__(self, model: PreTrainedModel, tokens: torch.Tensor) -> None:
         self.model, self.tokens = model, tokens
-        self.reference = self._log_probs()
+        self.log_p = self._log_probs()
+        self.p, self.top1 = self.log_p.exp(), self.log_p.argmax(-1)
 
     def _log_probs(self) -> torch.Tensor:
         with torch.no_grad():
             return torch.log_softmax(self.model(self.tokens[None]).logits[0].double(), -1)
 
     def score(self) -> tuple[float, float]:
+        """Mean KL(float32 || now) in nats per token, and the share of tokens whose argmax agrees."""
         q = self._log_probs()
-        kl = (self.reference.exp() * (self.reference - q)).sum(-1)
-        top1 = (q.argmax(-1) == self.reference.argmax(-1)).double().mean()
-        return float(kl.mean()), float(top1)
+        kl = (self.p * (self.log_p - q)).sum(-1)
+        return float(kl.mean()), float((q.argmax(-1) == self.top1).double().mean())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,61 +101,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--by", choices=GROUPINGS, default="kind", help="what goes to MXINT8 together")
     ap.add_argument("--base-int8", default="lm_head", help="comma-separated name fragments in MXINT8 in every "
-                    "run ('' for none)")
+                    "run, as a recipe's mx_int8 ('' for none)")
     ap.add_argument("--out", type=Path, default=Path("reports"))
     args = ap.parse_args(argv)
     if args.tokens < 2:
         ap.error("--tokens must be at least 2")
     recipe = get_recipe(args.recipe)
-    fmt, scale = recipe.tlm.mx_format or "fp6_e2m3", recipe.tlm.mx_scale
+    if recipe.tlm.mx_format is None:
+        ap.error(f"recipe {recipe.name!r} keeps its TLM in {recipe.tlm.dtype}: no MX format to weigh MXINT8 against")
+    try:
+        text = "\n\n".join(held_out_texts(args.text))
+    except OSError:
+        ap.error(f"no calibration text at {args.text}: pass --text FILE, or pydoc:topics (shipped with Python)")
     base_int8 = tuple(f for f in args.base_int8.split(",") if f)
+    quant = MXPass(recipe.tlm.mx_format, recipe.tlm.mx_lm_head, scale=recipe.tlm.mx_scale, int8=base_int8)
     t0 = time.perf_counter()
     model, model_dir = float_model(recipe.tlm.model, recipe.context_length)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    try:
-        text = "\n\n".join(held_out_texts(args.text))
-    except FileNotFoundError:
-        ap.error(f"no calibration text at {args.text}: pass --text FILE, or pydoc:topics (shipped with Python)")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
     scorer = Scorer(model, torch.tensor(ids))
-    mods = linears(model)
-    original = {name: m.weight.detach().clone() for name, m in mods.items()}
+    mods = linears(model, quant.lm_head)
+    if not any(_LAYER.match(name) for name in mods):
+        ap.error(f"no decoder linears found in {recipe.tlm.model} (layers.N. or h.N. weights)")
+    base = {name for name in mods if quant.format_of(name) == "int8"}
+    if unused := [f for f in base_int8 if f not in quant.matched]:
+        ap.error(f"--base-int8 fragment(s) {unused} match no quantized weight (e.g. {sorted(mods)[:2]})")
 
-    def quantized(name: str, f: str) -> torch.Tensor:  # HF weights are [out, in]: blocks run along `in`
-        return torch.from_numpy(fake_quantize(original[name].numpy(), f, axis=1, scale=scale))
+    def quantized(m: torch.nn.Linear, fmt: str) -> torch.Tensor:  # [out, in]: blocks run along `in` (K)
+        return torch.from_numpy(fake_quantize(m.weight.detach().numpy(), fmt, axis=1, scale=recipe.tlm.mx_scale))
 
-    fp6 = {name: quantized(name, fmt) for name in mods}
-    int8 = {name: quantized(name, "int8") for name in mods}
+    numel = {name: m.weight.numel() for name, m in mods.items()}
+    stored = {name: quantized(m, "int8" if name in base else recipe.tlm.mx_format) for name, m in mods.items()}
+    int8 = {name: quantized(m, "int8") for name, m in mods.items() if name not in base and _LAYER.match(name)}
 
     def assign(in_int8: set[str]) -> None:
         with torch.no_grad():
             for name, m in mods.items():
-                m.weight.copy_(int8[name] if name in in_int8 else fp6[name])
+                m.weight.copy_(int8[name] if name in in_int8 else stored[name])
 
-    base = {name for name in mods if any(f in name for f in base_int8)}
-    assign(base)
+    assign(set())
     base_kl, base_top1 = scorer.score()
     groups: dict[str, list[str]] = {}
-    for name in mods:
-        if name not in base and name != "lm_head":
-            groups.setdefault(group_of(name, args.by), []).append(name)
+    for name in int8:
+        groups.setdefault(group_of(name, args.by), []).append(name)
     rows = []
     for key, names in groups.items():
-        assign(base | set(names))
+        assign(set(names))
         kl, top1 = scorer.score()
-        extra_mb = sum(original[n].numel() for n in names) * 2 / 8 / 1e6  # 8.25 - 6.25 bits per weight
+        extra_mb = sum(numel[n] for n in names) * 2 / 8 / 1e6  # 8.25 - 6.25 bits per weight
         rows.append({"group": key, "tensors": len(names), "kl": round(kl, 5), "kl_gain": round(base_kl - kl, 5),
                      "top1": round(top1, 4), "extra_MB": round(extra_mb, 3),
                      "gain_per_MB": round((base_kl - kl) / extra_mb, 5)})
     rows.sort(key=lambda r: -r["gain_per_MB"])
-    report = {"recipe": recipe.name, "text": str(args.text), "tokens": len(ids), "format": fmt, "scale": scale,
-              "base_int8": list(base_int8), "base_kl": round(base_kl, 5), "base_top1": round(base_top1, 4),
-              "by": args.by, "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+    fmt = recipe.tlm.mx_format
+    report = {"recipe": recipe.name, "text": str(args.text), "tokens": len(ids), "format": fmt,
+              "scale": recipe.tlm.mx_scale, "lm_head": "int8" if "lm_head.weight.T" in base else
+              (fmt if quant.lm_head else "float32"), "base_int8": list(base_int8), "base_kl": round(base_kl, 5),
+              "base_top1": round(base_top1, 4), "by": args.by, "seconds": round(time.perf_counter() - t0, 1),
+              "rows": rows}
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(report, indent=2))
-    print(f"{recipe.name}: {len(ids)} tokens of {args.text}; base ({fmt}, {scale}; MXINT8: {list(base_int8)}) "
-          f"KL {base_kl:.5f} nats/token, top-1 {base_top1:.2%}")
+    print(f"{recipe.name}: {len(ids)} tokens of {args.text}; base ({fmt}, {recipe.tlm.mx_scale}; LM head "
+          f"{report['lm_head']}; MXINT8: {list(base_int8)}) KL {base_kl:.5f} nats/token, top-1 {base_top1:.2%}")
     print(f"{'group':<24}{'tensors':>8}{'KL gain':>10}{'top-1':>9}{'extra MB':>10}{'gain/MB':>10}")
     for r in rows:
         print(f"{r['group']:<24}{r['tensors']:>8}{r['kl_gain']:>10.5f}{r['top1']:>9.2%}{r['extra_MB']:>10.3f}"

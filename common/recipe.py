@@ -6,6 +6,7 @@ the offending key) because a typo in a deployment config should fail at export, 
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -262,10 +263,12 @@ def relative_to_recipe(reference: str, folder: Path) -> str:
     A recipe then means the same from any working directory. Hugging Face ids, `builtin:` and
     `package:` references and absolute paths stay as written, and so does a relative path with
     nothing beside the recipe (the working directory's, as before)."""
-    if not reference or ":" in reference.split("/", 1)[0] or Path(reference).expanduser().is_absolute():
+    if not reference or reference.startswith("~") or ":" in reference.split("/", 1)[0] or Path(reference).is_absolute():
         return reference
     beside = folder / reference
-    return str(beside.resolve()) if beside.exists() else reference
+    # normpath, not resolve: a link keeps its own name (a .gguf linked into the Hugging Face cache
+    # must still end in .gguf)
+    return os.path.normpath(beside.absolute()) if beside.exists() else reference
 
 
 def load_recipe_file(path: Path) -> Recipe:

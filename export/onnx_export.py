@@ -86,7 +86,8 @@ def _shape_inference_without_weights() -> Iterator[None]:
         torch._C._jit_pass_onnx_graph_shape_type_inference = original
 
 
-def _short(key: str) -> str:
+def short_name(key: str) -> str:
+    """A module's name as the graphs name its weights (`model.layers.0.mlp.up_proj` -> `layers.0.mlp.up_proj`)."""
     return key.removeprefix("model.").removeprefix("transformer.")  # Llama family / CodeGen
 
 
@@ -119,7 +120,7 @@ def _weight_refs(graph: onnx.GraphProto, model: PreTrainedModel, n_io: int) -> l
             raise RuntimeError(f"cannot tell which parameter the traced weight {inp.name!r} {list(shape)} "
                                f"(read by {[n.name for n in users][:2]}) is")
         others = [k for k in aliases[id(p)] if k != key]
-        refs.append(WeightRef(_short(key) + (".T" if transpose else ""), (key, *others), transpose, shape))
+        refs.append(WeightRef(short_name(key) + (".T" if transpose else ""), (key, *others), transpose, shape))
     return refs
 
 

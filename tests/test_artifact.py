@@ -156,6 +156,10 @@ def test_a_recipe_files_relative_paths_are_taken_from_its_folder(tmp_path, monke
     assert recipe.tlm.model == str(folder / "models" / "tlm")
     assert recipe.ngram_table == str(folder / "table.npz")
     assert recipe.dlm.model == "org/not-here"  # nothing beside the recipe: an id (or the cwd's path), as written
+    (tmp_path / "blob").write_bytes(b"")
+    (folder / "linked.gguf").symlink_to(tmp_path / "blob")  # e.g. into the Hugging Face cache's blobs
+    recipe_file.write_text('name = "mine"\nspeculative = false\n[tlm]\nmodel = "../project/linked.gguf"\n')
+    assert get_recipe(str(recipe_file)).tlm.model == str(folder / "linked.gguf")  # the link's name, normalised
     shipped = get_recipe(DEFAULT_RECIPE)
     assert shipped.tlm.model.startswith("package:") and shipped.ngram_table.startswith("builtin:")
 

@@ -1,16 +1,19 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
     python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics]
-                                  [--configs ...] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0] [--out reports]
+                                  [--configs ...] [--instructions 100] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0]
+                                  [--out reports]
 
-Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice, and
+Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice (rounded
+with error feedback where the recipe names a calibration text, `+nearest` to nearest), and
 scores held-out text (the standard-library modules the default pair never saw, --text FILE, or
 pydoc:topics: the Python reference's topic pages that CPython ships) teacher-forced through the
 compiled graphs, in windows of the context length. Peers (onnxruntime-genai's builds, llama.cpp's
 formats of the recipe's GGUF) score the same windows in the same chunks, each also against its own
-float32. Writes
-OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's) is: exact MXFP6 in the recipe's format
-(fp6_e2m3 if it names none) and exponent choice has perplexity <= 1.01x the float32 perplexity.
+float32. Each build's greedy answers to the recipe's prompts (and to --instructions generated ones)
+are compared with float32's. Writes OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's) is: exact
+MXFP6 in the recipe's format (fp6_e2m3 if it names none) and exponent choice has perplexity <= 1.01x
+the float32 perplexity.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from benchmarks.variants import build_cached, variant
 from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import stdlib_files
+from recipes.ngram_draft import instructions
 
 # Other TLM settings, whatever the recipe says: every weight in the MX format with a float32 LM head;
 # the LM head in MXFP6 too; the LM head in MXINT8 (8.25 bits per weight).
@@ -37,6 +41,7 @@ ALL_INT8 = {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}  # every decode
 # The tensors that cost SmolLM2 most agreement in MXFP6 (docs/benchmarks.md), in MXINT8: attention, the MLP's
 # down projection, the last layer and the head.
 SENSITIVE8 = {"mx_int8": ("lm_head", "self_attn", "down_proj", "layers.29."), "mx_lm_head": False}
+ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
@@ -48,6 +53,8 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp6_e2m3 native min_error +head8": ("fp6_e2m3", "native", "min_error", HEAD8),
     "fp6_e2m3 native8 min_error +head8": ("fp6_e2m3", "native8", "min_error", HEAD8),
     "fp6_e2m3 native min_error +sensitive8": ("fp6_e2m3", "native", "min_error", SENSITIVE8),
+    "fp6_e2m3 native min_error +sensitive8 +nearest": ("fp6_e2m3", "native", "min_error",
+                                                       SENSITIVE8 | ROUND_TO_NEAREST),
     "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", PLAIN),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
@@ -187,13 +194,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
             continue
         ratio = {None: "2.000 (fp32)", "-": "-"}.get(r["size_vs_fp16"]) or f"{r['size_vs_fp16']:.3f}"
         own = "-" if r.get("top1_own") is None else f"{100 * r['top1_own']:.2f}%"
-        lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {r['scale'] or '-'} | {r['perplexity']:.4f} | "
+        scale = (r["scale"] or "-") + (" + feedback" if r.get("feedback") else "")
+        lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {scale} | {r['perplexity']:.4f} | "
                      f"{r['ppl_ratio']:.4f}x | {100 * r['top1_agreement']:.2f}% | {own} | {r['same_answers']} "
                      f"| {ratio} |")
     verdict = {True: 'PASS', False: 'FAIL', None: 'not run (its config was not chosen)'}[meta['gate_pass']]
     lines += ["", f"Gate: {meta['gate']}: **{verdict}**.", "",
-              f"Answers: greedy, {meta['answer_tokens']} new tokens, to the recipe's {len(meta['answers'])} prompts; "
-              "a differing answer is listed with fp32's.", ""]
+              f"Answers: greedy, {meta['answer_tokens']} new tokens, to the recipe's {meta['prompts']} prompts"
+              + (f" and {meta['instructions']} generated instructions" if meta["instructions"] else "") + "; "
+              "a differing answer is listed with fp32's (the recipe's prompts only).", ""]
     for name, differing in meta["differing"].items():
         lines += [f"- {name}: {prompt!r}: {theirs!r} (fp32: {ours!r})" for prompt, theirs, ours in differing]
     return "\n".join(lines) + "\n"
@@ -207,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                         "topic pages CPython ships; default: held-out stdlib modules)")
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
+    parser.add_argument("--instructions", type=int, default=0, help="also compare greedy answers to this many "
+                        "generated instructions (the last of recipes.ngram_draft's; calibration texts use the first)")
     parser.add_argument("--configs", help=f"comma-separated subset of {list(CONFIGS)} (fp32 always runs first)")
     parser.add_argument("--genai", default="", help="also onnxruntime-genai builds of the recipe's GGUF (int4, ...; "
                         "the bench extra): perplexity and top-1 agreement, also with its own fp32")
@@ -225,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out / recipe.name
     rows, base_top1, base_ppl, tokens, base_answers = [], None, None, None, None
     prompts = list(recipe.prompts)
+    generated = instructions(exclude=prompts)
+    if not 0 <= args.instructions <= len(generated) // 2:  # the first ones make calibration texts
+        parser.error(f"--instructions must be between 0 and {len(generated) // 2}")
+    extra = generated[-args.instructions :] if args.instructions else []
     differing: dict[str, list] = {}
     for name in chosen:
         fmt = configs[name][0]
@@ -235,14 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         ppl = float(np.exp(nll.mean()))
         base_top1 = top1 if base_top1 is None else base_top1
         base_ppl = ppl if base_ppl is None else base_ppl
-        said = answers(art, prompts, args.answer_tokens)
+        said = answers(art, prompts + extra, args.answer_tokens)
         base_answers = said if base_answers is None else base_answers
-        differing[name] = [(p, a, b) for p, a, b in zip(prompts, said, base_answers, strict=True) if a != b]
+        differs = [(p, a, b) for p, a, b in zip(prompts + extra, said, base_answers, strict=True) if a != b]
+        differing[name] = differs[: sum(p in prompts for p, _, _ in differs)]  # the recipe's prompts come first
         quant = art.manifest.models["tlm"].quant
         same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
+        if extra:
+            same += f", {len(extra) - len(differs) + len(differing[name])}/{len(extra)} instructions"
         rows.append({"name": " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+")),
                      "lowering": quant.get("lowering"),
-                     "scale": quant.get("scale"),
+                     "scale": quant.get("scale"), "feedback": bool(quant.get("calibration")),
                      "format": fmt, "perplexity": ppl, "same_answers": same,
                      "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
                      "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
@@ -282,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"recipe": recipe.name, "tokens": int(len(tokens)), "text": str(args.text or "held-out stdlib modules"),
             "gate": f"{gated} exact perplexity <= {GATE}x fp32",
             "gate_pass": None if gate_row is None else gate_row["ppl_ratio"] <= GATE,
-            "answers": base_answers, "answer_tokens": args.answer_tokens, "differing": differing}
+            "answers": base_answers, "answer_tokens": args.answer_tokens, "differing": differing,
+            "prompts": len(prompts), "instructions": len(extra)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out_dir / "accuracy.md").write_text(markdown(rows, meta))

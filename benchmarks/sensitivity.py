@@ -6,13 +6,15 @@
 How a recipe's `mx_int8` list is chosen (docs/benchmarks.md, Accuracy). transformers' float32 model
 of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the first
 --tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
-project's quantizer as the quant pass would store them: the recipe's format and exponent choice,
+project's quantizer as the quant pass would store them: the recipe's format, exponent choice and
+rounding (with error feedback over its `mx_calibration` text where it names one),
 MXINT8 for the weights named by --base-int8 (fragments, as `mx_int8`; the LM head by default), the
 LM head float32 unless named there or `mx_lm_head` is set. That base's mean KL divergence from float32 (nats per token)
 and top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's
 linears, or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and
 gain per extra MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text:
-the Apache-2.0 licence Debian ships, which benchmarks.accuracy does not evaluate on.
+the Apache-2.0 licence Debian ships, which benchmarks.accuracy does not evaluate on (but which
+smollm2-135m-chat's calibration text begins with: score such a recipe on another --text).
 Deterministic: one run.
 """
 
@@ -25,35 +27,20 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from benchmarks.accuracy import held_out_texts
-from export.loader import read_config, resolve_model_dir
+from export.calibration import calibrate, float_model
+from export.loader import resolve_model_dir
 from export.onnx_export import short_name
-from export.weights import checkpoint_tensors
 from quant import fake_quantize
+from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
 from quant.onnx_pass import MXPass, selected
 from recipes import DEFAULT_RECIPE, get_recipe
 
 CALIBRATION = Path("/usr/share/common-licenses/Apache-2.0")
 GROUPINGS = ("kind", "layer", "tensor")
 _LAYER = re.compile(r"^(?:layers|h)\.(\d+)\.")
-
-
-def float_model(reference: str, context_length: int) -> tuple[PreTrainedModel, Path]:
-    """The checkpoint's float32 model, its weights read as the exporter reads them (safetensors or GGUF),
-    with the LM head a copy of its own (a tied head is quantized apart from the embedding, as exported)."""
-    model_dir = resolve_model_dir(reference, "tlm")
-    config = read_config(model_dir, context_length)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    source = checkpoint_tensors(model_dir)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(source(name))
-        embedding = model.get_input_embeddings().weight
-        if model.lm_head.weight.data_ptr() == embedding.data_ptr():
-            model.lm_head.weight = torch.nn.Parameter(embedding.detach().clone())
-    return model, model_dir
 
 
 def linears(model: PreTrainedModel, lm_head: bool) -> dict[str, torch.nn.Linear]:
@@ -116,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     base_int8 = tuple(f for f in args.base_int8.split(",") if f)
     quant = MXPass(recipe.tlm.mx_format, recipe.tlm.mx_lm_head, scale=recipe.tlm.mx_scale, int8=base_int8)
     t0 = time.perf_counter()
-    model, model_dir = float_model(recipe.tlm.model, recipe.context_length)
+    model_dir = resolve_model_dir(recipe.tlm.model, "tlm")
+    model = float_model(model_dir, recipe.context_length)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
     scorer = Scorer(model, torch.tensor(ids))
@@ -127,12 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     if unused := [f for f in base_int8 if f not in quant.matched]:
         ap.error(f"--base-int8 fragment(s) {unused} match no quantized weight (e.g. {sorted(mods)[:2]})")
 
-    def quantized(m: torch.nn.Linear, fmt: str) -> torch.Tensor:  # [out, in]: blocks run along `in` (K)
-        return torch.from_numpy(fake_quantize(m.weight.detach().numpy(), fmt, axis=1, scale=recipe.tlm.mx_scale))
+    spec = recipe.tlm
+    hessians = (calibrate(spec.mx_calibration, spec.mx_calibration_tokens, model_dir, recipe.context_length,
+                          lambda name: name in mods, progress=False, model=model)[0] if spec.mx_calibration else {})
+    factors = {id(h): upper_inverse_factor(h) for h in hessians.values()}
+
+    def quantized(name: str, m: torch.nn.Linear, fmt: str) -> torch.Tensor:  # as the quant pass stores it
+        w = m.weight.detach().numpy()  # [out, in]: blocks run along `in` (K), the graph's W^T [K, out]
+        if name in hessians:
+            u = factors[id(hessians[name])]
+            return torch.from_numpy(quantize_with_feedback(w.T, u, fmt, spec.mx_scale).T.copy())
+        return torch.from_numpy(fake_quantize(w, fmt, axis=1, scale=spec.mx_scale))
 
     numel = {name: m.weight.numel() for name, m in mods.items()}
-    stored = {name: quantized(m, "int8" if name in base else recipe.tlm.mx_format) for name, m in mods.items()}
-    int8 = {name: quantized(m, "int8") for name, m in mods.items() if name not in base and _LAYER.match(name)}
+    stored = {name: quantized(name, m, "int8" if name in base else spec.mx_format) for name, m in mods.items()}
+    int8 = {name: quantized(name, m, "int8") for name, m in mods.items() if name not in base and _LAYER.match(name)}
 
     def assign(in_int8: set[str]) -> None:
         with torch.no_grad():
@@ -155,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: -r["gain_per_MB"])
     fmt = recipe.tlm.mx_format
     report = {"recipe": recipe.name, "text": str(args.text), "tokens": len(ids), "format": fmt,
-              "scale": recipe.tlm.mx_scale, "lm_head": "int8" if "lm_head.weight.T" in base else
-              (fmt if quant.lm_head else "float32"), "base_int8": list(base_int8), "base_kl": round(base_kl, 5),
+              "scale": spec.mx_scale, "calibration": spec.mx_calibration,
+              "lm_head": "int8" if "lm_head.weight.T" in base else (fmt if quant.lm_head else "float32"),
+              "base_int8": list(base_int8), "base_kl": round(base_kl, 5),
               "base_top1": round(base_top1, 4), "by": args.by, "seconds": round(time.perf_counter() - t0, 1),
               "rows": rows}
     out = args.out / recipe.name

@@ -15,7 +15,7 @@ from common.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest, sha256
 from common.ngram_table import FILE as NGRAM_TABLE_FILE
 from common.recipe import Recipe, with_mx_format
 from common.targets import platform_signature
-from export.loader import resolve_ngram_table
+from export.loader import resolve_calibration_text, resolve_ngram_table
 from export.pipeline import build_artifact
 
 
@@ -29,13 +29,16 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
 
 
 def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
-    """Build `recipe` into out_dir unless an artifact of exactly this recipe, format, platform and
-    n-gram table is there."""
+    """Build `recipe` into out_dir unless an artifact of exactly this recipe, format, platform, n-gram
+    table and calibration text is there."""
     manifest = Path(out_dir) / MANIFEST_NAME
     if manifest.is_file():
         data = json.loads(manifest.read_text())
         table = sha256_file(resolve_ngram_table(recipe.ngram_table)) if recipe.ngram_table else None
+        text = recipe.tlm.mx_calibration and sha256_file(resolve_calibration_text(recipe.tlm.mx_calibration))[:16]
+        calibrated = data.get("models", {}).get("tlm", {}).get("quant", {}).get("calibration", "")
         if (data.get("recipe") == json.loads(json.dumps(recipe.to_dict()))
+                and (not text or f"(sha256 {text})" in calibrated)
                 and data.get("format_version") == FORMAT_VERSION
                 and data.get("prepacked_for") in ({}, platform_signature())
                 and data.get("files", {}).get(NGRAM_TABLE_FILE) == table):

@@ -27,6 +27,9 @@ TARGETS = ("ort-cpu", "ort-cuda")
 SPECULATION_METHODS = ("draft", "prompt_lookup", "lookahead")
 
 
+MIN_CALIBRATION_TOKENS = 256  # fewer say little about a model's inputs
+
+
 class RecipeError(ValueError):
     """A recipe that does not match the schema."""
 
@@ -42,6 +45,10 @@ class ModelSpec:
     # Name fragments of the weights stored MXINT8 (8.25 bits per weight) instead of mx_format:
     # "lm_head" quantizes the LM head in MXINT8; e.g. "down_proj" or "layers.0." for sensitive ones.
     mx_int8: tuple[str, ...] = ()
+    # A text the model reads so that the MX quantizer rounds with error feedback (GPTQ-style,
+    # quant/error_feedback.py): builtin:NAME (recipes/builtin/NAME.txt) or a path; "": round to nearest.
+    mx_calibration: str = ""
+    mx_calibration_tokens: int = 2048
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,7 @@ class Recipe:
 def with_mx_format(spec: ModelSpec, mx_format: str | None) -> ModelSpec:
     """`spec` in another MX format; None (float weights) drops the settings that only MX weights have."""
     if mx_format is None:
-        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False)
+        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False, mx_calibration="")
     return replace(spec, mx_format=mx_format)
 
 
@@ -203,8 +210,11 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
-    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head):
-        raise RecipeError(f"{where}: mx_int8 and mx_lm_head need mx_format (MX weights) to be set")
+    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head or spec.mx_calibration):
+        raise RecipeError(f"{where}: mx_int8, mx_lm_head and mx_calibration need mx_format (MX weights) to be set")
+    if spec.mx_calibration_tokens < MIN_CALIBRATION_TOKENS:
+        raise RecipeError(f"{where}.mx_calibration_tokens: must be >= {MIN_CALIBRATION_TOKENS}, "
+                          f"got {spec.mx_calibration_tokens}")
     if any(not f for f in spec.mx_int8):
         raise RecipeError(f"{where}.mx_int8: an empty name fragment would select every weight")
     if spec.mx_scale not in MX_SCALES:
@@ -278,8 +288,9 @@ def load_recipe_file(path: Path) -> Recipe:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
     folder = Path(path).parent
     for table in (data.get("tlm"), data.get("dlm")):
-        if isinstance(table, dict) and isinstance(table.get("model"), str):
-            table["model"] = relative_to_recipe(table["model"], folder)
+        for key in ("model", "mx_calibration"):
+            if isinstance(table, dict) and isinstance(table.get(key), str):
+                table[key] = relative_to_recipe(table[key], folder)
     if isinstance(data.get("ngram_table"), str):
         data["ngram_table"] = relative_to_recipe(data["ngram_table"], folder)
     return recipe_from_dict(data, where=str(path))

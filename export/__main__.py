@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dlm", help="local checkpoint folder or .gguf file that replaces the recipe's draft model")
     p.add_argument("--mx-format", choices=[*MX_FORMATS, "none"], help="override the TLM's MX weight format")
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
+    p.add_argument("--mx-calibration", metavar="TEXT", help="override the TLM's calibration text (a path, "
+                   "builtin:NAME, or none: MX rounds to nearest)")
     p.add_argument("--kv-slots", type=int, help="override the recipe's KV cache slots (shared by a server's "
                    "requests; default: the recipe's, else its context_length)")
     p.add_argument("--target", choices=TARGETS, help="override the recipe's target (ort-cuda: float16 graphs for "
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             tlm = with_mx_format(tlm, None if args.mx_format == "none" else args.mx_format)
         if args.mx_lowering:
             tlm = replace(tlm, mx_lowering=args.mx_lowering)
+        if args.mx_calibration:
+            tlm = replace(tlm, mx_calibration="" if args.mx_calibration == "none" else args.mx_calibration)
         slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots
         recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots, target=args.target or recipe.target))
         out = args.out or Path("artifacts") / recipe.name

@@ -61,18 +61,28 @@ def resolve_model_dir(reference: str, role: str = "model") -> Path:
     )
 
 
-def resolve_ngram_table(reference: str) -> Path:
-    """A recipe's ngram_table: builtin:NAME (recipes/builtin/NAME.npz) or a path to a table file."""
+def resolve_recipe_file(reference: str, key: str, suffix: str, how: str) -> Path:
+    """A file a recipe names under `key`: builtin:NAME (recipes/builtin/NAME<suffix>) or a path; `how`
+    says how to make it or do without it."""
     if reference.startswith("builtin:"):
         from recipes.default_pair import BUILTIN_DIR
 
-        path = BUILTIN_DIR / f"{reference.removeprefix('builtin:')}.npz"
+        path = BUILTIN_DIR / f"{reference.removeprefix('builtin:')}{suffix}"
     else:
         path = Path(reference).expanduser()
     if not path.is_file():
-        raise ModelNotFoundError(f"ngram_table {reference!r}: {path} does not exist (make it with "
-                                 "`python -m recipes.ngram_draft`, or set ngram_table = \"\" for none)")
+        raise ModelNotFoundError(f"{key} {reference!r}: {path} does not exist ({how})")
     return path
+
+
+def resolve_ngram_table(reference: str) -> Path:
+    return resolve_recipe_file(reference, "ngram_table", ".npz",
+                               'make it with `python -m recipes.ngram_draft`, or set ngram_table = "" for none')
+
+
+def resolve_calibration_text(reference: str) -> Path:
+    return resolve_recipe_file(reference, "mx_calibration", ".txt", "make it with `python -m recipes.calibration_text`"
+                               ', or set mx_calibration = "" to round to nearest')
 
 
 def is_available(reference: str) -> bool:

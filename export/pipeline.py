@@ -14,11 +14,12 @@ from common.ngram_table import NgramTable
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler.build import compile_artifact
+from export.calibration import calibrate
 from export.fit import check_export_fits
 from export.loader import placeholder_model, resolve_model_dir, resolve_ngram_table
 from export.onnx_export import export_model
 from export.weights import checkpoint_tensors
-from quant.onnx_pass import Float16Pass, MXPass, PassChain
+from quant.onnx_pass import Float16Pass, MXPass, PassChain, selected
 
 log = logging.getLogger("mxspd.export")
 
@@ -60,10 +61,16 @@ def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dl
         )
 
 
-def weight_passes(spec: ModelSpec) -> PassChain:
-    """How a model's weights are stored: MX blocks for its decoder linears, then float16 if asked."""
-    passes = ([MXPass(spec.mx_format, spec.mx_lm_head, scale=spec.mx_scale, int8=spec.mx_int8)]
-              if spec.mx_format is not None else [])
+def weight_passes(spec: ModelSpec, model_dir: Path, context_length: int, progress: bool = True) -> PassChain:
+    """How a model's weights are stored: MX blocks for its decoder linears (rounded with error feedback
+    if the recipe names a calibration text), then float16 if asked."""
+    passes = []
+    if spec.mx_format is not None:
+        mx = MXPass(spec.mx_format, spec.mx_lm_head, scale=spec.mx_scale, int8=spec.mx_int8)
+        if spec.mx_calibration:
+            mx.hessians, mx.calibration = calibrate(spec.mx_calibration, spec.mx_calibration_tokens, model_dir,
+                                                    context_length, lambda name: selected(name, mx.lm_head), progress)
+        passes.append(mx)
     return PassChain(passes + ([Float16Pass()] if spec.dtype == "float16" else []))
 
 
@@ -104,10 +111,11 @@ def build_artifact(
         exports = {}
         for role, model in models.items():
             exports[role] = Path(tmp) / role
+            passes = weight_passes(specs[role], dirs[role], recipe.context_length, progress)
             export_model(
                 model, checkpoint_tensors(dirs[role]), exports[role], graph_plan(recipe, role),
                 recipe.capacity, batch=recipe.batch_size, source=specs[role].model,
-                tokenizer_dir=dirs[role], passes=weight_passes(specs[role]), role=role, progress=progress,
+                tokenizer_dir=dirs[role], passes=passes, role=role, progress=progress,
             )
             if role == "tlm" and table is not None:
                 table.check_vocabulary(exports[role] / "tokenizer", model.config.vocab_size, "the TLM")

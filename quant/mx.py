@@ -33,6 +33,7 @@ __all__ = [
     "element_values",
     "fake_quantize",
     "quantize",
+    "round_to_grid",
 ]
 
 FORMATS = ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1", "int8")
@@ -223,6 +224,15 @@ def _min_error_exponent(y: np.ndarray, neg: np.ndarray, shared: np.ndarray, spec
     above = np.minimum(shared + 1, _SCALE_BIAS)
     better = _block_error(y, neg, above, spec, fmt, rounding) < _block_error(y, neg, shared, spec, fmt, rounding)
     return np.where(better, above, shared).astype(np.int32)
+
+
+def round_to_grid(x: np.ndarray, shared: np.ndarray, fmt: str, rounding: str = "even") -> np.ndarray:
+    """The values `quantize` stores for `x` (float64) in blocks whose shared exponents are `shared`
+    (unbiased, broadcast against x): for quantizers that choose the exponents themselves."""
+    x = np.asarray(x, dtype=np.float64)
+    step = np.ldexp(1.0, np.asarray(shared, dtype=np.int32))
+    codes = _encode(np.abs(x) / step, np.signbit(x), _spec(fmt), rounding)
+    return _table(fmt, np.float64)[codes] * step
 
 
 def quantize(

@@ -32,6 +32,7 @@ from onnx import helper, numpy_helper
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import default_opset, matmul_weights, rewrite_graph, set_default_opset
+from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
@@ -55,6 +56,7 @@ class QuantSummary:
     lm_head: bool  # the LM head is quantized (in `format`, or MXINT8 if `int8` names it)
     int8: tuple[str, ...]  # name fragments of the weights stored MXINT8 instead of `format`
     int8_tensors: int
+    calibration: str  # what the error feedback's input statistics came from ("": rounded to nearest)
     tensors: int
     elements: int
     mx_bytes: int  # packed codes + scales, as stored
@@ -120,13 +122,18 @@ class MXPass:
     """Selected MatMul weights -> MX codes, E8M0 scales and a DequantizeLinear named as the weight.
 
     `int8`: name fragments (e.g. "lm_head", "layers.0.", "down_proj") of the weights stored MXINT8
-    instead of `fmt`; "lm_head" also selects the LM head."""
+    instead of `fmt`; "lm_head" also selects the LM head. `hessians`: each weight's input statistics
+    (export/calibration.py), for rounding with error feedback (quant/error_feedback.py) instead of to
+    nearest, each dropped once used; `calibration` says where they came from."""
 
     def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
-                 scale: str = "spec", int8: tuple[str, ...] = ()) -> None:
+                 scale: str = "spec", int8: tuple[str, ...] = (), hessians: dict[str, np.ndarray] | None = None,
+                 calibration: str = "") -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
         self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
+        self.hessians, self.calibration = hessians, calibration if hessians is not None else ""
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
         self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
         self.elements = self.stored_bytes = self.int8_tensors = 0
@@ -149,12 +156,23 @@ class MXPass:
         if w.ndim != 2 or w.dtype != np.float32:
             raise ValueError(f"weight {t.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
         fmt = self.format_of(t.name)
+        if self.hessians is not None:
+            if t.name not in self.hessians:
+                raise ValueError(f"weight {t.name!r} has no calibration statistics: the calibration run saw no "
+                                 "input for it")
+            w = quantize_with_feedback(w, self._factor(self.hessians.pop(t.name)), fmt, self.scale, self.rounding)
         codes, scales = mx_tensors(t.name, w, fmt, self.rounding, self.scale)
         self.int8_tensors += fmt == "int8"
         self.quantized[t.name] = (codes.name, scales.name)
         self.elements += w.size
         self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
         return [codes, scales]
+
+    def _factor(self, hessian: np.ndarray) -> np.ndarray:
+        """upper_inverse_factor, once for consecutive weights that read one input (q/k/v, gate/up)."""
+        if self._last is None or self._last[0] is not hessian:
+            self._last = (hessian, upper_inverse_factor(hessian))
+        return self._last[1]
 
     def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
         return [helper.make_node("DequantizeLinear", list(self.quantized[n]), [n], name=f"mx_dequant/{n}",
@@ -168,6 +186,7 @@ class MXPass:
 
     def summary(self) -> QuantSummary:
         return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, self.int8, self.int8_tensors,
+                            self.calibration,
                             len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:

@@ -233,10 +233,11 @@ def test_sensitivity_ranks_weight_groups_by_what_mxint8_gains(tmp_path, capsys):
 def test_sensitivity_float_model_is_transformers_own():
     import torch
 
-    from benchmarks.sensitivity import float_model
-    from export.loader import load_model
+    from export.calibration import float_model
+    from export.loader import load_model, resolve_model_dir
 
-    model, model_dir = float_model("builtin:stdlib-tlm", 256)
+    model_dir = resolve_model_dir("builtin:stdlib-tlm")
+    model = float_model(model_dir, 256)
     x = torch.arange(40)[None]
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, load_model(model_dir, 256, progress=False)(x).logits)

@@ -13,7 +13,6 @@ each chunk starts at position 0, as every request does.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from common.manifest import sha256_file
 from common.recipe import MIN_CALIBRATION_TOKENS as MIN_TOKENS
 from common.resources import check_memory
-from export.fit import parameter_counts
 from export.loader import read_config, resolve_calibration_text
 from export.onnx_export import short_name
 from export.weights import checkpoint_tensors
@@ -105,9 +104,9 @@ def input_hessians(model: PreTrainedModel, tokens: np.ndarray, wanted: Callable[
 def check_fits(model_dir: Path, context_length: int) -> None:
     """Refuse a calibration whose float32 model (and its copy of a tied head), activations and input
     statistics (K x K per linear, float64 while summed and float32 after) would not fit in memory."""
-    params, _ = parameter_counts(model_dir, context_length)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(read_config(model_dir, context_length))
+    params = sum(p.numel() for p in model.parameters())
     statistics = sum(12 * m.in_features**2 for m in model.modules() if isinstance(m, torch.nn.Linear))
     check_memory(int(4 * params * 1.5) + statistics, f"calibrating {model_dir} ({params / 1e9:.2f}B parameters)",
                  "its float32 model, activations, and every linear's K x K input statistics; without a calibration "
@@ -128,5 +127,5 @@ def calibrate(text_reference: str, tokens: int, model_dir: Path, context_length:
         log.info("calibration text %s has %d tokens, fewer than the %d asked for: using them all", text, len(ids),
                  tokens)
     model = model or float_model(model_dir, context_length)
-    digest = hashlib.sha256(text.read_bytes()).hexdigest()[:16]
+    digest = sha256_file(text)[:16]
     return input_hessians(model, ids, wanted, progress), f"{len(ids)} tokens of {text_reference} (sha256 {digest})"

@@ -122,17 +122,17 @@ class MXPass:
     """Selected MatMul weights -> MX codes, E8M0 scales and a DequantizeLinear named as the weight.
 
     `int8`: name fragments (e.g. "lm_head", "layers.0.", "down_proj") of the weights stored MXINT8
-    instead of `fmt`; "lm_head" also selects the LM head. `hessians`: each weight's input statistics
-    (export/calibration.py), for rounding with error feedback (quant/error_feedback.py) instead of to
-    nearest, each dropped once used; `calibration` says where they came from."""
+    instead of `fmt`; "lm_head" also selects the LM head. `hessians`, when set: each weight's input
+    statistics (export/calibration.py), for rounding with error feedback (quant/error_feedback.py)
+    instead of to nearest, each dropped once used; `calibration` says where they came from."""
 
     def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
-                 scale: str = "spec", int8: tuple[str, ...] = (), hessians: dict[str, np.ndarray] | None = None,
-                 calibration: str = "") -> None:
+                 scale: str = "spec", int8: tuple[str, ...] = ()) -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
         self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
-        self.hessians, self.calibration = hessians, calibration if hessians is not None else ""
+        self.hessians: dict[str, np.ndarray] | None = None  # set by the exporter where a recipe calibrates
+        self.calibration = ""
         self._last: tuple[np.ndarray, np.ndarray] | None = None
         self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names

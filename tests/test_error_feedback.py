@@ -50,7 +50,9 @@ def test_feedback_stays_on_the_grid_and_cuts_the_output_error(fmt, scale):
     w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
     x = correlated_inputs(k)
     q = quantize_with_feedback(w, upper_inverse_factor(x.T @ x), fmt, scale)
-    np.testing.assert_array_equal(q, feedback_one_row_at_a_time(w, x.T @ x, fmt, scale))
+    # The blocked update sums the same terms in another order: a last-bit difference may flip a rounding
+    # tie (more likely with another CPU's BLAS), a wrong update changes most values.
+    assert np.mean(q != feedback_one_row_at_a_time(w, x.T @ x, fmt, scale)) < 0.01
     # Every block is exactly representable: the quant pass's standard quantizer stores these values unchanged.
     np.testing.assert_array_equal(fake_quantize(q, fmt, axis=0, scale=scale), q)
     nearest = fake_quantize(w, fmt, axis=0, scale=scale)

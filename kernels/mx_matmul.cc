@@ -23,7 +23,7 @@
 // 16 dot products, one conversion, one scale product and one fma per 16 columns and block.
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
-// AVX2 with BMI2 (up to 6 rows per pass), portable; all three give the same bits (tests/test_native_kernel.py).
+// AVX2 (up to 6 rows per pass), portable; all three give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -84,8 +84,7 @@ const ScaleTable kScalesE2M3(kScaleShift<6>), kScalesInt8(kScaleShift<8>);
 template <int WBits>
 const float* scales() { return WBits == 8 ? kScalesInt8.v : kScalesE2M3.v; }
 
-// The 48 bits of an MXFP6 chunk's codes 8i..8i+7, by one 8-byte load inside the chunk (a 6-byte copy
-// is two stores and a load that cannot be forwarded from them: 15x slower on the AVX2 path).
+// The 48 bits of an MXFP6 chunk's codes 8i..8i+7 (the portable path), by one 8-byte load inside the chunk.
 inline uint64_t eight_codes(const uint8_t* chunk, int i) {
   const int at = std::min(6 * i, 40);  // the last 6 bytes: load bytes 40-47, shift the first two out
   uint64_t bits;
@@ -220,71 +219,120 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
 }
 
 #ifdef MXSPD_X86
-// ---- AVX2 (with BMI2's pdep): 8 columns per register, up to 6 rows per pass -------------------------
+// ---- AVX2: 8 columns per register, up to 6 rows per pass ------------------------------------------
+// On a Zen 3 core (AVX2, no AVX-512) decoding MXFP6, not memory, bounds a one-row call: a chunk is
+// decoded in registers by shuffles, shifts and a 16-entry lookup (18 vector ops per 32 codes, no
+// scalar pdep, no round trip through memory) and widened to int16 there (docs/benchmarks.md).
 
-// The 64 integer weights of chunk q, in its byte order (two registers of 32).
+// Per 128-bit lane: each 3 packed bytes [b0 b1 b2] (4 codes at bits 0, 6, 12, 18) to one 32-bit lane
+// [b0 b1 b1 b2], the second lane's bytes starting `second` bytes into its 16.
+struct SpreadTable {
+  alignas(32) uint8_t v[32];
+  explicit SpreadTable(int second) {
+    for (int i = 0; i < 32; ++i) {
+      const int j = (i % 16) / 4, o = (i < 16 ? 0 : second) + 3 * j;
+      v[i] = static_cast<uint8_t>(o + std::array<int, 4>{0, 1, 1, 2}[i % 4]);
+    }
+  }
+};
+const SpreadTable kSpread0(0), kSpread4(4);
+
+// 8 * value of the magnitudes 16-31 (magnitudes 0-15 are the code itself), for a 16-entry shuffle.
+struct UpperTable {
+  alignas(32) int8_t v[32];
+  UpperTable() {
+    for (int i = 0; i < 32; ++i) v[i] = kCodes.weight[16 + i % 16];
+  }
+};
+const UpperTable kUpper;
+
+// 32 six-bit codes, one per byte, to their integer weights (8 * the E2M3 value).
+__attribute__((target("avx2,fma"))) inline __m256i weights_of_codes_avx2(__m256i c) {
+  const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(31));  // magnitude's code
+  // m < 16: the shuffle's index has bit 7 set and gives 0, and the weight is m; else the table's, >= m
+  const __m256i mag = _mm256_max_epu8(
+      _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v)),
+                          _mm256_sub_epi8(m, _mm256_set1_epi8(16))), m);
+  // the sign bit (5) to bit 7; a zero byte (code 0) zeroes a weight that is 0 anyway
+  return _mm256_sign_epi8(mag, _mm256_slli_epi16(c, 2));
+}
+
+// 32 codes' packed triples, spread by SpreadTable, to one code per byte.
+__attribute__((target("avx2,fma"))) inline __m256i codes_of_triples_avx2(__m256i v) {
+  return _mm256_or_si256(  // code 4t + i of each triple t to byte i of its 32-bit lane
+      _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0x3F)),
+                      _mm256_and_si256(_mm256_slli_epi16(v, 2), _mm256_set1_epi32(0x3F00))),
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi32(0x3F0000)),
+                      _mm256_and_si256(_mm256_srli_epi16(v, 2), _mm256_set1_epi32(0x3F000000))));
+}
+
+// The integer weights of chunk q (int8): code pair 2q of the 16 columns in *lo, pair 2q + 1 in *hi.
 template <int WBits>
-__attribute__((target("avx2,fma,bmi2"))) inline void chunk_avx2(const uint8_t* chunk, __m256i* lo, __m256i* hi) {
+__attribute__((target("avx2,fma"))) inline void chunk_avx2(const uint8_t* chunk, __m256i* lo, __m256i* hi) {
   if constexpr (WBits == 8) {
     *lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
     *hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-  } else {
-    int64_t codes[8];  // 8 six-bit codes -> 8 bytes (pdep reads the low 48 bits)
-    for (int i = 0; i < 8; ++i)
-      codes[i] = static_cast<int64_t>(_pdep_u64(eight_codes(chunk, i), 0x3F3F3F3F3F3F3F3Full));
-    // 8 * value of the magnitudes 16-31 (codes 0-15: the code itself), for a 16-entry shuffle
-    const __m128i upper_half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kCodes.weight + 16));
-    const __m256i high = _mm256_broadcastsi128_si256(upper_half);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i c = _mm256_setr_epi64x(codes[4 * h], codes[4 * h + 1], codes[4 * h + 2], codes[4 * h + 3]);
-      const __m256i lo4 = _mm256_and_si256(c, _mm256_set1_epi8(15));
-      const __m256i upper = _mm256_cmpeq_epi8(_mm256_and_si256(c, _mm256_set1_epi8(16)), _mm256_set1_epi8(16));
-      const __m256i mag = _mm256_blendv_epi8(lo4, _mm256_shuffle_epi8(high, lo4), upper);
-      const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(c, _mm256_set1_epi8(32)), _mm256_set1_epi8(32));
-      (h ? *hi : *lo) = _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg);
-    }
+  } else {  // triples 0-7 and 8-15, each lane by a 16-byte load inside the chunk
+    const __m256i first = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(chunk + 12),
+                                              reinterpret_cast<const __m128i*>(chunk));
+    const __m256i second = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(chunk + 32),
+                                               reinterpret_cast<const __m128i*>(chunk + 24));
+    *lo = weights_of_codes_avx2(codes_of_triples_avx2(
+        _mm256_shuffle_epi8(first, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread0.v)))));
+    *hi = weights_of_codes_avx2(codes_of_triples_avx2(
+        _mm256_shuffle_epi8(second, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread4.v)))));
+  }
+}
+
+// The 16 columns' block scales (columns 0-7, 8-15); the table only where one is not a normal float (rare).
+template <int WBits>
+__attribute__((target("avx2,fma"))) inline void scales_avx2(const uint8_t* e8, __m256 ws[2]) {
+  constexpr int shift = kScaleShift<WBits>;
+  const __m128i e16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e8));
+  const __m256i e[2] = {_mm256_cvtepu8_epi32(e16), _mm256_cvtepu8_epi32(_mm_srli_si128(e16, 8))};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i t = _mm256_sub_epi32(e[h], _mm256_set1_epi32(shift + 1));  // normal: 0 <= t <= 253 - shift
+    const __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), t),
+                                        _mm256_cmpgt_epi32(t, _mm256_set1_epi32(253 - shift)));
+    ws[h] = _mm256_testz_si256(bad, bad)
+                ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e[h], _mm256_set1_epi32(shift)), 23))
+                : _mm256_i32gather_ps(scales<WBits>(), e[h], 4);
   }
 }
 
 template <int WBits, int Rows>
-__attribute__((target("avx2,fma,bmi2"))) void group_avx2(const Problem<WBits>& p, int64_t g, int64_t row0) {
+__attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  alignas(32) int16_t w[kBlock / 2][2][16];  // [code pair][half: columns 0-7, 8-15][column, code]
   for (int64_t b = 0; b < p.kb; ++b) {
-    for (int q = 0; q < kChunks; ++q) {
-      __m256i lo, hi;  // code pairs 2q and 2q + 1 of the 16 columns
-      chunk_avx2<WBits>(p.block(g, b) + q * kChunkBytes<WBits>, &lo, &hi);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = h ? hi : lo;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w[2 * q + h][0]),
-                           _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w[2 * q + h][1]),
-                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
-      }
-    }
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.exponents(g, b)));
-    const __m256 ws[2] = {_mm256_i32gather_ps(scales<WBits>(), _mm256_cvtepu8_epi32(e), 4),
-                          _mm256_i32gather_ps(scales<WBits>(), _mm256_cvtepu8_epi32(_mm_srli_si128(e, 8)), 4)};
+    const uint8_t* blk = p.block(g, b);
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     __m256i sum[Rows][2];  // columns 0-7 and 8-15
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-    for (int i = 0; i < kBlock / 2; ++i) {  // code pair i of the 16 columns, against every row's pair i
-      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i][0]));
-      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i][1]));
+    for (int q = 0; q < kChunks; ++q) {
+      __m256i lo, hi;
+      chunk_avx2<WBits>(blk + q * kChunkBytes<WBits>, &lo, &hi);
+      // as int16: [pair 2q | 2q + 1][columns 0-7 | 8-15], each 32-bit lane one column's pair
+      const __m256i w[2][2] = {
+          {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1))},
+          {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1))}};
       for (int r = 0; r < Rows; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, xb + r * kBlock + 2 * i, 4);
-        const __m256i x = _mm256_set1_epi32(pair);
-        sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(w0, x));
-        sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(w1, x));
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
+        std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
+        const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+        for (int h = 0; h < 2; ++h)
+          sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[0][h], b0),
+                                                                    _mm256_madd_epi16(w[1][h], b1)));
       }
     }
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 xs = _mm256_set1_ps(*p.x_scale(row0 + r, b));
+    __m256 ws[2];
+    scales_avx2<WBits>(p.exponents(g, b), ws);
+    const float* xs = p.x_scale(row0, b);
+    for (int r = 0; r < Rows; ++r)
       for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], xs), acc[r][h]);
-    }
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
+                                    acc[r][h]);
   }
   for (int r = 0; r < Rows; ++r) {
     alignas(32) float out[kGroup];
@@ -382,7 +430,6 @@ constexpr auto by_rows(std::index_sequence<Rows...>) {
   else
     return std::array<Kernel, sizeof...(Rows)>{group_avx2<WBits, static_cast<int>(Rows + 1)>...};
 }
-inline const bool kHasAvx2Bmi2 = kHasAvx2 && __builtin_cpu_supports("bmi2");
 #endif
 
 // One group of 16 columns, every row: in as few passes over its weights as the path's row limit
@@ -399,7 +446,7 @@ void tile(void* user, size_t index) {
   if (kHasAvx512Vbmi) {
     per_pass = kRowGroup512;
     kernels = k512.data();
-  } else if (kHasAvx2Bmi2) {
+  } else if (kHasAvx2) {
     kernels = k256.data();
   }
 #endif

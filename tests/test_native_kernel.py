@@ -156,15 +156,16 @@ def test_non_finite_activations_stay_in_their_row():
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
     weight formats, both activation widths, every row count from 1 to 25 (AVX-512 passes take 1 to
-    12 rows, AVX2 groups 4), odd and even column counts, MXINT8's code -128, a NaN block scale, and
-    zero and NaN activation blocks. (On a CPU without AVX-512 VNNI and VBMI the first two runs take the same
-    path.)"""
+    12 rows, AVX2 ones 1 to 6), odd and even column counts, MXINT8's code -128, NaN and subnormal block
+    scales, and zero and NaN activation blocks. (On a CPU without AVX-512 VNNI and VBMI the first two
+    runs take the same path.)"""
     rng = np.random.default_rng(6)
     for i, (wbits, bits) in enumerate(itertools.product((6, 8), (16, 8))):
         codes, exps = random_mx(100, 33, seed=i, wbits=wbits)  # 33 columns: pairs and an odd one
         if wbits == 8:
             codes[5, 3] = -128
         exps[1, 7] = 255  # NaN scale: column 7's outputs are NaN
+        exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
         onnx.save(mx_matmul_model(codes, exps, bits, [None, 100]), tmp_path / f"{i}.onnx")
     for rows in range(1, 26):
         a = rng.standard_normal((rows, 100)).astype(np.float32)
@@ -180,6 +181,8 @@ def test_every_path_gives_the_same_bits(tmp_path):
     assert len(outs[0]) == 4 * sum(range(1, 26)) * 33 * 4 and outs[0] == outs[1] == outs[2]
     y = np.frombuffer(outs[0], np.float32)
     assert np.isnan(y).any() and np.isfinite(y).mean() > 0.9  # the NaN cases took effect, the rest did not
+    tiny = np.abs(y[np.isfinite(y)])
+    assert ((tiny > 0) & (tiny < np.finfo(np.float32).tiny)).any()  # and the subnormal ones
 
 
 PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar

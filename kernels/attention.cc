@@ -138,6 +138,13 @@ void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part
   flush(part, num, v.p.d);
 }
 
+// Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
+// for the row `kAhead` keys on while working on this one.
+constexpr size_t kAhead = 8;
+inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+
 #ifdef MXSPD_X86
 // finish_dot's additions without a tail, in registers: lanes l + (l + 8), then lane_sum's tree.
 __attribute__((target("avx2,fma"))) inline float reduce16(__m256 lo, __m256 hi) {
@@ -196,7 +203,10 @@ __attribute__((target("avx2,fma"))) inline void accumulate_avx2(int32_t* acc, co
 }
 
 __attribute__((target("avx2,fma"))) void scan_values_avx2(const Visible& v, float* largest, bool* bad) {
-  for (size_t n = 0; n < v.n; ++n) scan_avx2(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
+  for (size_t n = 0; n < v.n; ++n) {
+    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
+    scan_avx2(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
+  }
 }
 
 // dot_avx2 for 4 keys at once: the same operations per key, interleaved (one fma chain per key would
@@ -234,6 +244,8 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const Visible& v, const flo
   for (; n + 4 <= v.n; n += 4) {
     const float* keys[4];
     for (int k = 0; k < 4; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + 4, v.n); ++k)
+      prefetch_row(v.p.key(v.batch, v.head, v.keys[k]), v.p.d);
     dot4_avx2(q, keys, v.p.d, score + n);
     for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
   }
@@ -250,6 +262,7 @@ __attribute__((target("avx2,fma"))) void sums_in_registers(const Visible& v, con
   for (size_t n = 0; n < v.n; ++n) {
     *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
     const float* x = v.p.value(v.batch, v.head, v.keys[n]);
+    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
     const __m256 f = _mm256_set1_ps(prob[n] * scale);
     for (int j = 0; j < D8; ++j)
       acc[j] = _mm256_add_epi32(acc[j], _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), f)));
@@ -271,17 +284,11 @@ __attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float
   if (v.p.d == 64) return sums_in_registers<8>(v, prob, scale, part, num, den);
   for (size_t n = 0; n < v.n; ++n) {
     *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
     accumulate_avx2(part, v.p.value(v.batch, v.head, v.keys[n]), prob[n] * scale, v.p.d);
     if ((n + 1) % kFlush == 0) flush(part, num, v.p.d);
   }
   flush(part, num, v.p.d);
-}
-
-// Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
-// for the row `kAhead` keys on while working on this one.
-constexpr size_t kAhead = 8;
-inline void prefetch_row(const float* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
 }
 
 // ---- AVX-512: the same per-lane operations, 16 lanes at a time (the dot product's 16 lanes in one
@@ -434,8 +441,12 @@ size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
 
 // y = num / den * 2^shift, each rounded once to float (the product by 2^shift is exact in double).
 void normalise_scalar(const int64_t* num, int64_t den, int shift, float* y, int64_t d) {
-  for (int64_t i = 0; i < d; ++i)
-    y[i] = static_cast<float>(std::ldexp(static_cast<double>(num[i]) / static_cast<double>(den), shift));
+  const double power = std::ldexp(1.0, shift);  // a normal double: the product is ldexp's, without a call
+  const bool exact = std::isnormal(power);
+  for (int64_t i = 0; i < d; ++i) {
+    const double q = static_cast<double>(num[i]) / static_cast<double>(den);
+    y[i] = static_cast<float>(exact ? q * power : std::ldexp(q, shift));
+  }
 }
 
 #ifdef MXSPD_X86

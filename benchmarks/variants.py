@@ -3,6 +3,7 @@ and a copy of an artifact without its stored prepacked weights, to measure what 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,11 +29,26 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
 
 
+BUILD_CODE = ("common", "export", "quant", "compiler", "kernels")  # the packages whose Python writes an artifact
+
+
+def build_code_digest() -> str:
+    """A digest of the Python source of the stages that write an artifact: a cached build made by other
+    code (a quantizer fix changes the bytes, not the format version) is not reused."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in BUILD_CODE:
+        for f in sorted((root / package).rglob("*.py")):
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
     """Build `recipe` into out_dir unless an artifact of exactly this recipe, format, platform, n-gram
-    table and calibration text is there."""
+    table, calibration text and build code is there (the code's digest in a file beside it)."""
     manifest = Path(out_dir) / MANIFEST_NAME
-    if manifest.is_file():
+    code = Path(out_dir).parent / f"{Path(out_dir).name}.build-code"
+    if manifest.is_file() and code.is_file() and code.read_text() == build_code_digest():
         data = json.loads(manifest.read_text())
         table = sha256_file(resolve_ngram_table(recipe.ngram_table)) if recipe.ngram_table else None
         text = recipe.tlm.mx_calibration and sha256_file(resolve_calibration_text(recipe.tlm.mx_calibration))[:16]
@@ -43,7 +59,9 @@ def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
                 and data.get("prepacked_for") in ({}, platform_signature())
                 and data.get("files", {}).get(NGRAM_TABLE_FILE) == table):
             return Path(out_dir)
-    return build_artifact(recipe, Path(out_dir), progress=progress)
+    built = build_artifact(recipe, Path(out_dir), progress=progress)
+    code.write_text(build_code_digest())
+    return built
 
 
 def _graph_files(art_dir: Path) -> list[Path]:

@@ -140,7 +140,7 @@ def test_calibration_settings_are_checked(checkpoints, tmp_path):
     assert resolve_calibration_text("builtin:smollm2-135m-chat-calibration").stat().st_size > 10_000
 
 
-def test_a_calibrated_recipe_builds_runs_and_records_it(checkpoints, tmp_path):
+def test_a_calibrated_recipe_builds_runs_and_records_it(checkpoints, tmp_path, monkeypatch):
     import runtime
     from benchmarks.variants import build_cached
 
@@ -164,6 +164,11 @@ def test_a_calibrated_recipe_builds_runs_and_records_it(checkpoints, tmp_path):
     build_cached(recipes["feedback"], tmp_path / "feedback", progress=False)
     assert manifest.stat().st_mtime_ns == stamp
     text.write_text(Path(json.__file__).read_text()[::-1])
+    build_cached(recipes["feedback"], tmp_path / "feedback", progress=False)
+    assert manifest.stat().st_mtime_ns != stamp
+    # and when the code that builds artifacts changes
+    stamp = manifest.stat().st_mtime_ns
+    monkeypatch.setattr("benchmarks.variants.build_code_digest", lambda: "other code")
     build_cached(recipes["feedback"], tmp_path / "feedback", progress=False)
     assert manifest.stat().st_mtime_ns != stamp
 

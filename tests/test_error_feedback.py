@@ -188,3 +188,49 @@ def test_export_cli_sets_or_drops_the_calibration_text(checkpoints, tmp_path, ca
     assert main(args + ["--mx-calibration", str(text)]) == 0
     quant = json.loads((tmp_path / "a" / "manifest.json").read_text())["models"]["tlm"]["quant"]
     assert quant["calibration"].startswith("2048 tokens of " + str(text))  # the default token count
+
+
+def test_the_calibration_text_is_each_prompt_then_the_float_models_own_greedy_answer(checkpoints, tmp_path):
+    """recipes.calibration_text answers in left-padded batches; each answer must be what the float32 model
+    says to that prompt alone (transformers' greedy generate, unpadded)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.calibration_text import calibration_text
+
+    model_dir = tmp_path / "ck"
+    shutil.copytree(checkpoints["llama-gqa"], model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = ("{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    tok.save_pretrained(model_dir)
+    prompts = ["hi", "a much longer prompt than the first", "x = 1"]  # unequal lengths: padding in one batch
+    text = calibration_text(str(model_dir), prompts, answer_tokens=6, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    expected = ""
+    for prompt in prompts:
+        chat = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok(chat, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        expected += chat + answer + tok.eos_token + "\n"
+    assert text == expected and text.count("<a>") == 3
+
+
+def test_calibration_text_and_accuracy_refuse_bad_counts(tmp_path, capsys):
+    from benchmarks.accuracy import main as accuracy
+    from recipes.calibration_text import main as calibration
+
+    with pytest.raises(SystemExit):
+        calibration(["--prompts", "0"])
+    assert "--prompts and --answer-tokens must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        calibration(["--prose", str(tmp_path / "missing.txt")])
+    assert "--prose:" in capsys.readouterr().err
+    # --instructions takes the last generated instructions; the first half make calibration texts
+    with pytest.raises(SystemExit):
+        accuracy(["--instructions", "100000", "--configs", "fp32"])
+    assert "--instructions must be between 0 and" in capsys.readouterr().err

@@ -47,8 +47,8 @@ def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
     """Build `recipe` into out_dir unless an artifact of exactly this recipe, format, platform, n-gram
     table, calibration text and build code is there (the code's digest in a file beside it)."""
     manifest = Path(out_dir) / MANIFEST_NAME
-    code = Path(out_dir).parent / f"{Path(out_dir).name}.build-code"
-    if manifest.is_file() and code.is_file() and code.read_text() == build_code_digest():
+    code, digest = Path(out_dir).parent / f"{Path(out_dir).name}.build-code", build_code_digest()
+    if manifest.is_file() and code.is_file() and code.read_text() == digest:
         data = json.loads(manifest.read_text())
         table = sha256_file(resolve_ngram_table(recipe.ngram_table)) if recipe.ngram_table else None
         text = recipe.tlm.mx_calibration and sha256_file(resolve_calibration_text(recipe.tlm.mx_calibration))[:16]
@@ -60,7 +60,7 @@ def build_cached(recipe: Recipe, out_dir: Path, progress: bool = True) -> Path:
                 and data.get("files", {}).get(NGRAM_TABLE_FILE) == table):
             return Path(out_dir)
     built = build_artifact(recipe, Path(out_dir), progress=progress)
-    code.write_text(build_code_digest())
+    code.write_text(digest)
     return built
 
 

@@ -221,8 +221,9 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
 #ifdef MXSPD_X86
 // ---- AVX2: 8 columns per register, up to 6 rows per pass ------------------------------------------
 // On a Zen 3 core (AVX2, no AVX-512) decoding MXFP6, not memory, bounds a one-row call: a chunk is
-// decoded in registers by shuffles, shifts and a 16-entry lookup (18 vector ops per 32 codes, no
-// scalar pdep, no round trip through memory) and widened to int16 there (docs/benchmarks.md).
+// decoded in registers by shuffles, shifts and a 16-entry lookup (15 vector ops per 32 codes, the two
+// loads included; no scalar pdep, no round trip through memory) and widened to int16 there by in-lane
+// unpacks, which leave the columns in ColumnOrder (docs/benchmarks.md).
 
 // Per 128-bit lane: each 3 packed bytes [b0 b1 b2] (4 codes at bits 0, 6, 12, 18) to one 32-bit lane
 // [b0 b1 b1 b2], the second lane's bytes starting `second` bytes into its 16.
@@ -246,24 +247,24 @@ struct UpperTable {
 };
 const UpperTable kUpper;
 
-// 32 six-bit codes, one per byte, to their integer weights (8 * the E2M3 value).
-__attribute__((target("avx2,fma"))) inline __m256i weights_of_codes_avx2(__m256i c) {
-  const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(31));  // magnitude's code
+// 32 codes' packed triples, spread by SpreadTable, to their integer weights (8 * the E2M3 value).
+__attribute__((target("avx2,fma"))) inline __m256i weights_of_triples_avx2(__m256i v) {
+  // A lane [b0 b1 b1 b2] holds bits 0-15 and 8-23 of its triple t in its 16-bit halves; the low half
+  // shifted left by 4 takes the high half's shape: code 4t + 2h at bits 4-9 of half h, 4t + 2h + 1 at
+  // bits 10-15 (bits 0-3: parts of other codes)
+  const __m256i z = _mm256_blend_epi16(_mm256_slli_epi16(v, 4), v, 0xAA);
+  const __m256i z2 = _mm256_srli_epi16(z, 2);  // the first code at bits 2-7, the second at 8-13
+  // the magnitude's 5 bits, one code per byte
+  const __m256i m = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(z, 4), _mm256_set1_epi16(0x001F)),
+                                    _mm256_and_si256(z2, _mm256_set1_epi16(0x1F00)));
   // m < 16: the shuffle's index has bit 7 set and gives 0, and the weight is m; else the table's, >= m
   const __m256i mag = _mm256_max_epu8(
       _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v)),
                           _mm256_sub_epi8(m, _mm256_set1_epi8(16))), m);
-  // the sign bit (5) to bit 7; a zero byte (code 0) zeroes a weight that is 0 anyway
-  return _mm256_sign_epi8(mag, _mm256_slli_epi16(c, 2));
-}
-
-// 32 codes' packed triples, spread by SpreadTable, to one code per byte.
-__attribute__((target("avx2,fma"))) inline __m256i codes_of_triples_avx2(__m256i v) {
-  return _mm256_or_si256(  // code 4t + i of each triple t to byte i of its 32-bit lane
-      _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0x3F)),
-                      _mm256_and_si256(_mm256_slli_epi16(v, 2), _mm256_set1_epi32(0x3F00))),
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi32(0x3F0000)),
-                      _mm256_and_si256(_mm256_srli_epi16(v, 2), _mm256_set1_epi32(0x3F000000))));
+  // each byte's code with its sign bit (5) at bit 7, nonzero wherever the magnitude is; a byte that is
+  // zero (or only other codes' bits) goes with a zero magnitude, which stays 0
+  const __m256i sign = _mm256_blendv_epi8(z2, z, _mm256_set1_epi16(static_cast<int16_t>(0xFF00)));
+  return _mm256_sign_epi8(mag, sign);
 }
 
 // The integer weights of chunk q (int8): code pair 2q of the 16 columns in *lo, pair 2q + 1 in *hi.
@@ -277,18 +278,36 @@ __attribute__((target("avx2,fma"))) inline void chunk_avx2(const uint8_t* chunk,
                                               reinterpret_cast<const __m128i*>(chunk));
     const __m256i second = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(chunk + 32),
                                                reinterpret_cast<const __m128i*>(chunk + 24));
-    *lo = weights_of_codes_avx2(codes_of_triples_avx2(
-        _mm256_shuffle_epi8(first, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread0.v)))));
-    *hi = weights_of_codes_avx2(codes_of_triples_avx2(
-        _mm256_shuffle_epi8(second, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread4.v)))));
+    *lo = weights_of_triples_avx2(
+        _mm256_shuffle_epi8(first, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread0.v))));
+    *hi = weights_of_triples_avx2(
+        _mm256_shuffle_epi8(second, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread4.v))));
   }
 }
 
-// The 16 columns' block scales (columns 0-7, 8-15); the table only where one is not a normal float (rare).
+// The order of the 16 columns in the AVX2 path's accumulators: widened by in-lane unpacks (a lane-crossing
+// widening costs Zen 3 three times as much), the first register holds columns 0-3 and 8-11.
+struct ColumnOrder {
+  alignas(16) uint8_t v[16];
+  ColumnOrder() {
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(i % 4 + 8 * (i % 8 / 4) + 4 * (i / 8));
+  }
+};
+const ColumnOrder kColumnOrder;
+
+// int8 weights to int16, in place of sign extension: columns 0-3 and 8-11 in out[0], 4-7 and 12-15 in out[1].
+__attribute__((target("avx2,fma"))) inline void widen_avx2(__m256i v, __m256i out[2]) {
+  const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+  out[0] = _mm256_unpacklo_epi8(v, sign);
+  out[1] = _mm256_unpackhi_epi8(v, sign);
+}
+
+// The 16 columns' block scales, in ColumnOrder; the table only where one is not a normal float (rare).
 template <int WBits>
 __attribute__((target("avx2,fma"))) inline void scales_avx2(const uint8_t* e8, __m256 ws[2]) {
   constexpr int shift = kScaleShift<WBits>;
-  const __m128i e16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e8));
+  const __m128i e16 = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e8)),
+                                       _mm_load_si128(reinterpret_cast<const __m128i*>(kColumnOrder.v)));
   const __m256i e[2] = {_mm256_cvtepu8_epi32(e16), _mm256_cvtepu8_epi32(_mm_srli_si128(e16, 8))};
   for (int h = 0; h < 2; ++h) {
     const __m256i t = _mm256_sub_epi32(e[h], _mm256_set1_epi32(shift + 1));  // normal: 0 <= t <= 253 - shift
@@ -307,15 +326,15 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
-    __m256i sum[Rows][2];  // columns 0-7 and 8-15
+    __m256i sum[Rows][2];  // in ColumnOrder
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
     for (int q = 0; q < kChunks; ++q) {
       __m256i lo, hi;
       chunk_avx2<WBits>(blk + q * kChunkBytes<WBits>, &lo, &hi);
-      // as int16: [pair 2q | 2q + 1][columns 0-7 | 8-15], each 32-bit lane one column's pair
-      const __m256i w[2][2] = {
-          {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1))},
-          {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1))}};
+      // as int16: [pair 2q | 2q + 1][the two halves of ColumnOrder], each 32-bit lane one column's pair
+      __m256i w[2][2];
+      widen_avx2(lo, w[0]);
+      widen_avx2(hi, w[1]);
       for (int r = 0; r < Rows; ++r) {
         int32_t x0, x1;
         std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
@@ -335,9 +354,9 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
                                     acc[r][h]);
   }
   for (int r = 0; r < Rows; ++r) {
-    alignas(32) float out[kGroup];
-    _mm256_store_ps(out, acc[r][0]);
-    _mm256_store_ps(out + 8, acc[r][1]);
+    alignas(32) float out[kGroup];  // back from ColumnOrder
+    _mm256_store_ps(out, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
+    _mm256_store_ps(out + 8, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
     std::memcpy(p.y + (row0 + r) * p.n + g * kGroup, out, p.columns(g) * sizeof(float));
   }
 }

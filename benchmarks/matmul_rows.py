@@ -1,6 +1,7 @@
 """What one more row costs ONNX Runtime's CPU kernels: the floor under a scoring call's price.
 
     python -m benchmarks.matmul_rows [--layers 24] [--repeats 10] [--kinds "mxfp6 native,mxint8 native"]
+                                     [--columns 8192] [--threads N] [--baseline OTHER.so]
 
 A K+1-token scoring call reads the same weights as a decode step, so at the bandwidth floor it
 would cost one step. This times the kernels alone, on a stack of 1024 x 8192 weights as large as the
@@ -9,6 +10,12 @@ weights prepacked by the session) and the fused MXFP6 kernel (MatMulNBits bits=8
 accuracy_level 4, as compiler/mx_lowering.py emits it) and mxspd's own MXMatMul (kernels/mx_matmul.cc:
 MXFP6 with int16 or int8 activations, MXINT8). Whatever a whole graph adds on top (attention, per-row
 elementwise ops) comes on top of these ratios.
+
+`--baseline OTHER.so` (another build of mxspd's kernel library) times the native kinds with both
+libraries in one process, alternated call batch by call batch, checks that they give the same bits,
+and prints baseline / installed: on a noisy shared box, a fairer comparison than two runs. A small
+stack (`--layers 16 --columns 512 --threads 1`: 6 MB of MXFP6, within the L3 cache) times the kernels'
+arithmetic rather than memory.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from common.targets import session_options
+from common.targets import session_options, spin_within_calls
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
 from kernels import DOMAIN, MX_MATMUL, require_library
 from kernels.layout import BLOCK_BYTES, GROUP
@@ -36,74 +43,100 @@ KINDS = ("float32", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 nati
 NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
 
 
-def stack(kind: str, layers: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, int]:
-    """`layers` independent weights, each multiplied by the input; returns the model and its weight bytes."""
+def stack(kind: str, layers: int, rng: np.random.Generator, n: int = N) -> tuple[onnx.ModelProto, int]:
+    """`layers` independent K x n weights, each multiplied by the input; returns the model and its weight bytes."""
     nodes, inits = [], []
     for i in range(layers):
         if kind == "float32":
-            inits.append(numpy_helper.from_array((rng.standard_normal((K, N)) * 0.02).astype(np.float32), f"w{i}"))
+            inits.append(numpy_helper.from_array((rng.standard_normal((K, n)) * 0.02).astype(np.float32), f"w{i}"))
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
         elif kind in NATIVE:
             wbits, abits = NATIVE[kind]
-            codes = rng.integers(0, 256, size=(N // GROUP, K // BLOCK, BLOCK_BYTES[wbits]), dtype=np.uint8)
-            exps = rng.integers(115, 125, size=(N // GROUP, K // BLOCK, GROUP), dtype=np.uint8)
+            codes = rng.integers(0, 256, size=(n // GROUP, K // BLOCK, BLOCK_BYTES[wbits]), dtype=np.uint8)
+            exps = rng.integers(115, 125, size=(n // GROUP, K // BLOCK, GROUP), dtype=np.uint8)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
-            nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=N,
+            nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=n,
                                           activation_bits=abits, weight_bits=wbits))
         else:
-            codes = rng.integers(0, 256, size=(N, K // BLOCK, BLOCK), dtype=np.uint8)
-            scales = (rng.random((N, K // BLOCK)) * 0.01 + 0.001).astype(np.float32)
+            codes = rng.integers(0, 256, size=(n, K // BLOCK, BLOCK), dtype=np.uint8)
+            scales = (rng.random((n, K // BLOCK)) * 0.01 + 0.001).astype(np.float32)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(scales, f"s{i}")]
             nodes.append(helper.make_node("MatMulNBits", ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain="com.microsoft",
-                                          K=K, N=N, bits=8, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL))
+                                          K=K, N=n, bits=8, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL))
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(layers)]
     graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
                               outputs, inits)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     if kind in NATIVE:
-        per_weight = (K // BLOCK) * (N // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
+        per_weight = (K // BLOCK) * (n // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
     else:
-        per_weight = K * N * 4 if kind == "float32" else K * N + (K // BLOCK) * N * 4
+        per_weight = K * n * 4 if kind == "float32" else K * n + (K // BLOCK) * n * 4
     return model, layers * per_weight
 
 
-def main() -> None:
+def _time(session: ort.InferenceSession, x: np.ndarray, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        session.run(None, {"x": x})
+    return (time.perf_counter() - t0) / calls
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--columns", type=int, default=N, help="N of each weight (a multiple of 16)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, help="intra-op threads (default: every core)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
-    args = ap.parse_args()
+    ap.add_argument("--baseline", type=Path, help="another build of the kernel library, for the native kinds")
+    args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    if args.columns <= 0 or args.columns % GROUP:
+        ap.error(f"--columns must be a positive multiple of {GROUP}")
+    if args.baseline is not None and not args.baseline.is_file():
+        ap.error(f"--baseline {args.baseline}: no such file")
     if set(kinds) & set(NATIVE):
         require_library()
     rng = np.random.default_rng(0)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sessions = {}
+        runs = {}  # kind -> ({library name: session}, weight bytes)
         for kind in kinds:
-            model, nbytes = stack(kind, args.layers, rng)
+            model, nbytes = stack(kind, args.layers, rng, args.columns)
             path = Path(tmp) / f"{kind.replace(' ', '_')}.onnx"
             onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
-            sessions[kind] = (ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"]),
-                              nbytes)
-        for kind, (session, nbytes) in sessions.items():
-            ms = {}
+            libraries = {"installed": None} | ({"baseline": args.baseline} if args.baseline and kind in NATIVE else {})
+            # pools that stop spinning when their call returns, so that alternated sessions do not slow each other
+            runs[kind] = ({name: ort.InferenceSession(str(path), spin_within_calls(session_options(args.threads, lib)),
+                                                      providers=["CPUExecutionProvider"])
+                           for name, lib in libraries.items()}, nbytes)
+        for kind, (sessions, nbytes) in runs.items():
+            ms: dict[str, dict[int, float]] = {name: {} for name in sessions}
+            calls = max(1, int(2e8 / nbytes))  # per timing: enough to dwarf a call's own overhead
             for m in ROWS:
                 x = rng.standard_normal((m, K)).astype(np.float32)
-                for _ in range(3):
-                    session.run(None, {"x": x})
-                times = []
+                outs = {name: s.run(None, {"x": x}) for name, s in sessions.items()}  # warm-up, and the values
+                if "baseline" in outs and any(not np.array_equal(a, b, equal_nan=True)
+                                              for a, b in zip(outs["installed"], outs["baseline"], strict=True)):
+                    raise SystemExit(f"{kind}, {m} rows: the baseline library gives other values")
+                for s in sessions.values():
+                    _time(s, x, 2)
+                times: dict[str, list[float]] = {name: [] for name in sessions}
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    session.run(None, {"x": x})
-                    times.append(time.perf_counter() - t0)
-                ms[m] = float(np.median(times) * 1e3)
-            out[kind] = {"weights_mb": round(nbytes / 1e6, 1), "GB_per_s_at_1_row": round(nbytes / ms[1] / 1e6, 1),
-                         "ms": {m: round(v, 2) for m, v in ms.items()},
-                         "over_1_row": {m: round(v / ms[1], 3) for m, v in ms.items()}}
+                    for name, s in sessions.items():
+                        times[name].append(_time(s, x, calls))
+                for name, t in times.items():
+                    ms[name][m] = float(np.median(t) * 1e3)
+            mine = ms["installed"]
+            out[kind] = {"weights_mb": round(nbytes / 1e6, 1), "GB_per_s_at_1_row": round(nbytes / mine[1] / 1e6, 1),
+                         "ms": {m: round(v, 3) for m, v in mine.items()},
+                         "over_1_row": {m: round(v / mine[1], 3) for m, v in mine.items()}}
+            if "baseline" in ms:
+                out[kind]["baseline_ms"] = {m: round(v, 3) for m, v in ms["baseline"].items()}
+                out[kind]["speedup_over_baseline"] = {m: round(ms["baseline"][m] / v, 3) for m, v in mine.items()}
     print(json.dumps(out, indent=2))
 
 

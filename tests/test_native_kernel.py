@@ -5,6 +5,7 @@ and the fallback without it."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -266,3 +267,20 @@ def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(mo
     monkeypatch.setattr(kernels, "library_path", lambda: None)
     with pytest.raises(kernels.KernelsUnavailableError, match="mx_lowering = 'fused'"):
         kernels.require_library()
+
+
+@needs_library
+def test_matmul_rows_compares_two_builds_on_the_same_values(capsys):
+    """benchmarks.matmul_rows --baseline: both libraries in one process, their values checked equal."""
+    from benchmarks.matmul_rows import main as matmul_rows
+
+    common = ["--kinds", "mxfp6 native,mxint8 native", "--layers", "1", "--repeats", "1", "--threads", "1"]
+    matmul_rows([*common, "--columns", "32", "--baseline", str(kernels.library_path())])
+    report = json.loads(capsys.readouterr().out)
+    for kind in ("mxfp6 native", "mxint8 native"):
+        assert set(report[kind]["speedup_over_baseline"]) == set(report[kind]["ms"]) == {"1", "2", "3", "5", "9"}
+    for bad, message in ((["--columns", "100"], "--columns must be a positive multiple of 16"),
+                         (["--baseline", "/nonexistent.so"], "no such file")):
+        with pytest.raises(SystemExit):
+            matmul_rows([*common, *bad])
+        assert message in capsys.readouterr().err

@@ -29,16 +29,17 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
 
 
-BUILD_CODE = ("common", "export", "quant", "compiler", "kernels")  # the packages whose Python writes an artifact
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_CODE = ("common", "export", "quant", "compiler", "kernels")  # the packages whose code writes an artifact
 
 
-def build_code_digest() -> str:
-    """A digest of the Python source of the stages that write an artifact: a cached build made by other
-    code (a quantizer fix changes the bytes, not the format version) is not reused."""
-    root = Path(__file__).resolve().parent.parent
+def build_code_digest(root: Path = REPO_ROOT) -> str:
+    """A digest of the source of the stages that write an artifact: a cached build made by other code (a
+    quantizer fix changes the bytes, not the format version) is not reused. The kernels' C++ counts too:
+    the compiler times each graph with them, and the runtime's speculation policy reads those costs."""
     digest = hashlib.sha256()
     for package in BUILD_CODE:
-        for f in sorted((root / package).rglob("*.py")):
+        for f in sorted(f for f in (root / package).rglob("*") if f.suffix in (".py", ".cc", ".h")):
             digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:16]
 

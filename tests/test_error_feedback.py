@@ -173,6 +173,23 @@ def test_a_calibrated_recipe_builds_runs_and_records_it(checkpoints, tmp_path, m
     assert manifest.stat().st_mtime_ns != stamp
 
 
+def test_build_code_digest_follows_python_and_kernel_sources_only(tmp_path):
+    from benchmarks.variants import BUILD_CODE, build_code_digest
+
+    for package in BUILD_CODE:
+        (tmp_path / package).mkdir()
+    (tmp_path / "kernels" / "op.cc").write_text("int f() { return 1; }")
+    (tmp_path / "quant" / "q.py").write_text("X = 1")
+    first = build_code_digest(tmp_path)
+    (tmp_path / "kernels" / "_lib.so").write_bytes(b"built")  # a build output, not source
+    (tmp_path / "README.md").write_text("docs")
+    assert build_code_digest(tmp_path) == first
+    for changed in (tmp_path / "kernels" / "op.cc", tmp_path / "quant" / "q.py"):
+        before = build_code_digest(tmp_path)
+        changed.write_text(changed.read_text() + " ")
+        assert build_code_digest(tmp_path) != before
+
+
 def test_export_cli_sets_or_drops_the_calibration_text(checkpoints, tmp_path, capsys):
     from export.__main__ import main
     from tests.conftest import recipe_file

@@ -33,8 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from common.targets import session_options, spin_within_calls
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
-from kernels import DOMAIN, MX_MATMUL, require_library
-from kernels.layout import BLOCK_BYTES, GROUP
+from kernels import DOMAIN, MX_MATMUL, preferred_mx_layout, require_library
+from kernels.layout import BLOCK_BYTES, GROUP, TRIPLES, pack_columns, pack_int8_columns
 
 K, N = 1024, 8192
 ROWS = (1, 2, 3, 5, 9)
@@ -43,8 +43,10 @@ KINDS = ("float32", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 nati
 NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
 
 
-def stack(kind: str, layers: int, rng: np.random.Generator, n: int = N) -> tuple[onnx.ModelProto, int]:
-    """`layers` independent K x n weights, each multiplied by the input; returns the model and its weight bytes."""
+def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[onnx.ModelProto, int]:
+    """`layers` independent K x n weights, each multiplied by the input, the same for any MXFP6 `layout`;
+    returns the model and its weight bytes."""
+    rng = np.random.default_rng(0)
     nodes, inits = [], []
     for i in range(layers):
         if kind == "float32":
@@ -52,11 +54,13 @@ def stack(kind: str, layers: int, rng: np.random.Generator, n: int = N) -> tuple
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
         elif kind in NATIVE:
             wbits, abits = NATIVE[kind]
-            codes = rng.integers(0, 256, size=(n // GROUP, K // BLOCK, BLOCK_BYTES[wbits]), dtype=np.uint8)
+            codes = (pack_columns(rng.integers(0, 64, size=(K, n), dtype=np.uint8), layout) if wbits == 6
+                     else pack_int8_columns(rng.integers(-127, 128, size=(K, n), dtype=np.int8)))
             exps = rng.integers(115, 125, size=(n // GROUP, K // BLOCK, GROUP), dtype=np.uint8)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
             nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=n,
-                                          activation_bits=abits, weight_bits=wbits))
+                                          activation_bits=abits, weight_bits=wbits,
+                                          **({"layout": layout} if wbits == 6 else {})))
         else:
             codes = rng.integers(0, 256, size=(n, K // BLOCK, BLOCK), dtype=np.uint8)
             scales = (rng.random((n, K // BLOCK)) * 0.01 + 0.001).astype(np.float32)
@@ -105,14 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}  # kind -> ({library name: session}, weight bytes)
         for kind in kinds:
-            model, nbytes = stack(kind, args.layers, rng, args.columns)
-            path = Path(tmp) / f"{kind.replace(' ', '_')}.onnx"
-            onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
             libraries = {"installed": None} | ({"baseline": args.baseline} if args.baseline and kind in NATIVE else {})
-            # pools that stop spinning when their call returns, so that alternated sessions do not slow each other
-            runs[kind] = ({name: ort.InferenceSession(str(path), spin_within_calls(session_options(args.threads, lib)),
+            sessions = {}
+            for name, lib in libraries.items():  # each library's weights in the MXFP6 layout it prefers
+                layout = preferred_mx_layout(lib) if kind in NATIVE else TRIPLES
+                model, nbytes = stack(kind, args.layers, args.columns, layout)
+                path = Path(tmp) / f"{kind.replace(' ', '_')}_{name}.onnx"
+                onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
+                # pools that stop spinning when their call returns, so that alternated sessions do not slow each other
+                sessions[name] = ort.InferenceSession(str(path), spin_within_calls(session_options(args.threads, lib)),
                                                       providers=["CPUExecutionProvider"])
-                           for name, lib in libraries.items()}, nbytes)
+            runs[kind] = (sessions, nbytes)
         for kind, (sessions, nbytes) in runs.items():
             ms: dict[str, dict[int, float]] = {name: {} for name in sessions}
             calls = max(1, int(2e8 / nbytes))  # per timing: enough to dwarf a call's own overhead

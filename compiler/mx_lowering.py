@@ -15,7 +15,8 @@ optimises, so the artifact stays small). Then:
   MatMul is left alone.
 - `native` / `native8` (E2M3 only): the MatMul becomes mxspd's own `ai.mxspd::MXMatMul`
   (kernels/mx_matmul.cc), which keeps the weights 6-bit in memory (6.25 bits per weight read per
-  token, against MatMulNBits' 9) and rounds activations per block to int16 (`native`: within
+  token, against MatMulNBits' 9; in the layout the build machine's library decodes fastest,
+  kernels.preferred_mx_layout) and rounds activations per block to int16 (`native`: within
   1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). Every row
   is computed alike whatever the call's rows. Needs the kernel library built at install
   (kernels.library_path()); the compiler falls back to `fused` with a warning without it.
@@ -38,7 +39,7 @@ from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
-from kernels import MX_MATMUL, NATIVE_LOWERINGS
+from kernels import MX_MATMUL, NATIVE_LOWERINGS, preferred_mx_layout
 from kernels.layout import pack_columns, pack_int8_columns, pack_scales
 from quant import element_values, pack_fp6, unpack_fp6
 
@@ -147,12 +148,13 @@ def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
 
 
 def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list,
-                  activation_bits: int) -> None:
-    """MatMul -> ai.mxspd::MXMatMul(A, codes and E8M0 bytes in the kernel's layout, kernels/layout.py)."""
+                  activation_bits: int, layout: int) -> None:
+    """MatMul -> ai.mxspd::MXMatMul(A, codes and E8M0 bytes in the kernel's layout, kernels/layout.py;
+    MXFP6 in `layout`, the one this machine's library multiplies fastest)."""
     _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
     k, n = codes.shape
     int8 = fmt == "int8"
-    weights = b.const(name + NATIVE_SUFFIX, pack_int8_columns(codes) if int8 else pack_columns(codes))
+    weights = b.const(name + NATIVE_SUFFIX, pack_int8_columns(codes) if int8 else pack_columns(codes, layout))
     scales = b.const(name + ".e8m0", pack_scales(exps))
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
@@ -160,6 +162,8 @@ def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.
         mm.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
                              helper.make_attribute("activation_bits", activation_bits),
                              helper.make_attribute("weight_bits", 8 if int8 else 6)])
+        if not int8:
+            mm.attribute.append(helper.make_attribute("layout", layout))
 
 
 def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list) -> None:
@@ -228,7 +232,7 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
             if lowering == "fused":
                 _lower_fused(b, w, fmt, codes, exps, users)
             else:
-                _lower_native(b, w, fmt, codes, exps, users, NATIVE_ACTIVATION_BITS[lowering])
+                _lower_native(b, w, fmt, codes, exps, users, NATIVE_ACTIVATION_BITS[lowering], preferred_mx_layout())
         graph.node.remove(node)
         dropped |= {data.name, scale.name}
         lowered[w] = fmt

@@ -32,7 +32,8 @@ def _group(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple | 
         return None
     a = _attributes(node)
     if node.op_type == MX_MATMUL:
-        return node.op_type, node.input[0], a["K"], a.get("activation_bits"), a.get("weight_bits", 6)
+        return (node.op_type, node.input[0], a["K"], a.get("activation_bits"), a.get("weight_bits", 6),
+                a.get("layout", 0))
     if node.op_type == ROW_MATMUL:
         return node.op_type, node.input[0], tuple(inits[node.input[1]].dims[1:])
     return None

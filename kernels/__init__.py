@@ -10,8 +10,12 @@ Used by the compiler (to build and time graphs) and the runtime (to run them); n
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.machinery
 from pathlib import Path
+
+from kernels.layout import TRIPLES
 
 DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
@@ -48,3 +52,15 @@ def require_library() -> Path:
             "export with mx_lowering = 'fused' (ONNX Runtime's MatMulNBits; 9 bits per weight read)."
         )
     return path
+
+
+@functools.cache
+def preferred_mx_layout(path: Path | None = None) -> int:
+    """The MXFP6 weight layout (kernels.layout.TRIPLES or PLANES) that the library at `path` (default: this
+    installation's) multiplies fastest on this CPU; TRIPLES from a library older than the choice."""
+    library = ctypes.CDLL(str(path or require_library()))
+    ask = getattr(library, "mxspd_mx_preferred_layout", None)
+    if ask is None:
+        return TRIPLES
+    ask.restype = ctypes.c_int64
+    return int(ask())

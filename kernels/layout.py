@@ -6,8 +6,12 @@ the 16 columns in the order the kernel multiplies them: its byte o (0..63) is co
 + o % 2 of column (o % 32) // 2, one column's pair of codes per 32-bit lane, for VNNI's int16 pair
 dot products with one column per lane. MXINT8 (pack_int8_columns) keeps those 64 code bytes;
 MXFP6 (pack_columns) packs them to 48 bytes, 6 per 8 codes, code i of the 8 at bits 6i (little
-endian), which the AVX-512 path unpacks with two byte permutes and a multishift. Scales (pack_scales):
-[G, KB, 16] E8M0 bytes. Groups are contiguous, so a call streams each weight once, front to back.
+endian), which the AVX-512 path unpacks with two byte permutes and a multishift (layout TRIPLES), or
+(layout PLANES, what the AVX2 path decodes fastest) each pair of chunks as 96 bytes: the codes' low 4
+bits (chunk 2p's 32 bytes, then chunk 2p + 1's; byte i holds position i in bits 0-3 and 32 + i in
+4-7), then 32 bytes of their top two bits (byte i, from bit 7 down: bit 4, bit 5 of positions i and
+32 + i of chunk 2p, then of chunk 2p + 1). Scales (pack_scales): [G, KB, 16] E8M0 bytes. Groups are
+contiguous, so a call streams each weight once, front to back.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ BLOCK = 32
 GROUP = 16  # MXMatMul's output columns per group: packed weights concatenate along N in whole groups
 CHUNKS = 8
 BLOCK_BYTES = {6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
+TRIPLES, PLANES = 0, 1  # MXMatMul's attribute `layout` (MXFP6 only)
 PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
 
 # Chunk byte o of chunk q: (column, code) within a group's block.
@@ -45,13 +50,29 @@ def _chunks(codes: np.ndarray) -> np.ndarray:
     return c[:, :, _COLUMN, _CODE]
 
 
-def pack_columns(codes: np.ndarray) -> np.ndarray:
-    """FLOAT6 codes uint8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 384]."""
+def pack_columns(codes: np.ndarray, layout: int = TRIPLES) -> np.ndarray:
+    """FLOAT6 codes uint8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 384] in `layout`."""
     chunks = _chunks(codes)
+    if layout == PLANES:
+        return _planes(chunks)
+    if layout != TRIPLES:
+        raise ValueError(f"unknown MXFP6 layout {layout!r}: {TRIPLES} (triples) or {PLANES} (planes)")
     eights = chunks.astype(np.uint64).reshape(*chunks.shape[:3], 8, 8)
     bits = (eights << (6 * np.arange(8, dtype=np.uint64))).sum(axis=-1, dtype=np.uint64)  # 48 bits per 8 codes
     low6 = bits[..., None].view(np.uint8)[..., :6]  # little-endian: the low 6 bytes
     return np.ascontiguousarray(low6.reshape(*chunks.shape[:2], BLOCK_BYTES[6]))
+
+
+def _planes(chunks: np.ndarray) -> np.ndarray:
+    """[G, KB, 8, 64] codes -> [G, KB, 384], the PLANES layout."""
+    pairs = chunks.reshape(*chunks.shape[:2], CHUNKS // 2, 2, 2, 32)  # [.., pair, chunk, half, i]
+    low = pairs & 15
+    nibbles = low[..., 0, :] | low[..., 1, :] << 4  # [.., pair, chunk, i]
+    top = pairs.reshape(*pairs.shape[:3], 4, 32) >> 4  # register r = 2 chunk + half: bits 4, 5 as 0..3
+    shifts = (6 - 2 * np.arange(4, dtype=np.uint8))[:, None]  # bit 4 of register r at 7 - 2r, bit 5 at 6 - 2r
+    plane = (((top & 1) << 1 | top >> 1) << shifts).sum(axis=-2, dtype=np.uint8)  # [.., pair, i]
+    out = np.concatenate([nibbles.reshape(*nibbles.shape[:3], 64), plane], axis=-1)
+    return np.ascontiguousarray(out.reshape(*chunks.shape[:2], BLOCK_BYTES[6]))
 
 
 def pack_int8_columns(codes: np.ndarray) -> np.ndarray:

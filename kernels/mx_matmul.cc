@@ -18,8 +18,15 @@
 // of the 16 columns in the order the kernel multiplies them: its byte o (0..63) is code
 // 4q + 2 (o / 32) + o % 2 of column (o % 32) / 2, so each 32-bit lane holds one column's pair of
 // codes for VNNI's int16 pair dot products, one column per lane. MXINT8 stores the 64 code bytes as
-// they are; MXFP6 packs them into 48 bytes: 6 bytes per 8 codes, code i of the 8 at bits 6i (little
-// endian). One pass over a group's weights serves every row of the call, and each extra row costs
+// they are; MXFP6 packs them into 48 bytes, in one of two layouts (attribute `layout`):
+//   0, triples: 6 bytes per 8 codes, code i of the 8 at bits 6i (little endian); what the AVX-512 path
+//      unpacks with byte permutes.
+//   1, planes: each pair of chunks (2p, 2p + 1) as 96 bytes: the codes' low 4 bits, chunk 2p's 32 bytes
+//      then chunk 2p + 1's (byte i: position i in bits 0-3, position 32 + i in bits 4-7), then 32 bytes
+//      of their top 2 bits (byte i, from bit 7 down: bit 4 then bit 5 of positions i and 32 + i of chunk
+//      2p, then of chunk 2p + 1): what AVX2 decodes with the fewest operations (a mask, a byte doubling,
+//      a 16-entry lookup and two blends per 32 codes). The compiler picks the library's preferred one.
+// One pass over a group's weights serves every row of the call, and each extra row costs
 // 16 dot products, one conversion, one scale product and one fma per 16 columns and block.
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
@@ -93,12 +100,26 @@ inline uint64_t eight_codes(const uint8_t* chunk, int i) {
   return bits >> (8 * (6 * i - at));
 }
 
-// The integer weight at byte o of chunk q of a group's block (the layout above).
+enum Layout : int64_t { kTriples = 0, kPlanes = 1 };
+constexpr int kPairBytes = 96;  // planes: a pair of MXFP6 chunks
+
+// The code at byte o of chunk q of a planes block: its low 4 bits from the chunk's nibbles, bits 4 and 5
+// from the pair's plane (register r = 2 (q % 2) + o / 32 has bit 4 at bit 7 - 2r, bit 5 at bit 6 - 2r).
+inline int plane_code(const uint8_t* block, int q, int o) {
+  const uint8_t* pair = block + (q / 2) * kPairBytes;
+  const int i = o % 32, r = 2 * (q % 2) + o / 32;
+  const int low = (pair[32 * (q % 2) + i] >> (4 * (o / 32))) & 15, plane = pair[64 + i];
+  return low | ((plane >> (7 - 2 * r)) & 1) << 4 | ((plane >> (6 - 2 * r)) & 1) << 5;
+}
+
+// The integer weight at byte o of chunk q of a group's block (the layouts above).
 template <int WBits>
-int weight_at(const uint8_t* block, int q, int o) {
+int weight_at(const uint8_t* block, int q, int o, Layout layout) {
   const uint8_t* chunk = block + q * kChunkBytes<WBits>;
   if constexpr (WBits == 8)
     return static_cast<int8_t>(chunk[o]);
+  else if (layout == kPlanes)
+    return kCodes.weight[plane_code(block, q, o)];
   else
     return kCodes.weight[(eight_codes(chunk, o / 8) >> (6 * (o % 8))) & 63];
 }
@@ -188,6 +209,7 @@ struct Problem {
   const uint8_t* s;   // [G, KB, 16]
   float* y;           // [M, N]
   int64_t m, n, kb;
+  Layout layout;      // of MXFP6 weights
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
@@ -204,7 +226,7 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
     int32_t w[kGroup][kBlock];  // [column][code]
     for (int q = 0; q < kChunks; ++q)
       for (int o = 0; o < 64; ++o)
-        w[(o % 32) / 2][4 * q + 2 * (o / 32) + o % 2] = weight_at<WBits>(p.block(g, b), q, o);
+        w[(o % 32) / 2][4 * q + 2 * (o / 32) + o % 2] = weight_at<WBits>(p.block(g, b), q, o, p.layout);
     const uint8_t* e = p.exponents(g, b);
     for (int r = 0; r < rows; ++r) {
       const int16_t* x = p.x(row0 + r, b);
@@ -221,10 +243,10 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
 
 #ifdef MXSPD_X86
 // ---- AVX2: 8 columns per register, up to 6 rows per pass ------------------------------------------
-// On a Zen 3 core (AVX2, no AVX-512) decoding MXFP6, not memory, bounds a one-row call: a chunk is
-// decoded in registers by shuffles, shifts and a 16-entry lookup (15 vector ops per 32 codes, the two
-// loads included; no scalar pdep, no round trip through memory) and widened to int16 there by in-lane
-// unpacks, which leave the columns in ColumnOrder (docs/benchmarks.md).
+// On a Zen 3 core (AVX2, no AVX-512) decoding MXFP6, not memory, bounded a one-row call: a chunk is
+// decoded in registers (layout planes: a mask, a 16-entry lookup, two blends and byte doublings, 8
+// vector ops per 32 codes, the loads included; layout triples: shuffles, shifts and the lookup, 15) and
+// widened to int16 there by in-lane unpacks, which leave the columns in ColumnOrder (docs/benchmarks.md).
 
 // Per 128-bit lane: each 3 packed bytes [b0 b1 b2] (4 codes at bits 0, 6, 12, 18) to one 32-bit lane
 // [b0 b1 b1 b2], the second lane's bytes starting `second` bytes into its 16.
@@ -286,6 +308,33 @@ __attribute__((target("avx2,fma"))) inline void chunk_avx2(const uint8_t* chunk,
   }
 }
 
+// The integer weights (int8) of chunks q and q + 1: code pairs 2q, 2q + 1 in w[0], w[1] (as chunk_avx2's lo,
+// hi), then chunk q + 1's in w[2], w[3]. Planes: a register's magnitude is its 4 low bits, or the table's
+// for 16-31 where bit 4 is set, negated where bit 5 is; the plane's byte doubled moves the next flag to
+// bit 7, which is all a blend reads (8 operations per 32 codes, the loads included, against 15).
+template <int WBits, bool Planes>
+__attribute__((target("avx2,fma"))) inline void two_chunks_avx2(const uint8_t* block, int q, __m256i w[4]) {
+  if constexpr (Planes) {
+    const uint8_t* pair = block + (q / 2) * kPairBytes;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+    const __m256i low[4] = {_mm256_and_si256(first, low4), _mm256_and_si256(_mm256_srli_epi16(first, 4), low4),
+                            _mm256_and_si256(second, low4), _mm256_and_si256(_mm256_srli_epi16(second, 4), low4)};
+    const __m256i upper = _mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v));
+    __m256i flags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 64));
+    for (int r = 0; r < 4; ++r) {
+      const __m256i mag = _mm256_blendv_epi8(low[r], _mm256_shuffle_epi8(upper, low[r]), flags);
+      flags = _mm256_add_epi8(flags, flags);
+      w[r] = _mm256_blendv_epi8(mag, _mm256_sub_epi8(_mm256_setzero_si256(), mag), flags);
+      flags = _mm256_add_epi8(flags, flags);
+    }
+  } else {
+    chunk_avx2<WBits>(block + q * kChunkBytes<WBits>, &w[0], &w[1]);
+    chunk_avx2<WBits>(block + (q + 1) * kChunkBytes<WBits>, &w[2], &w[3]);
+  }
+}
+
 // The order of the 16 columns in the AVX2 path's accumulators: widened by in-lane unpacks (a lane-crossing
 // widening costs Zen 3 three times as much), the first register holds columns 0-3 and 8-11.
 struct ColumnOrder {
@@ -331,7 +380,7 @@ inline void prefetch_ahead_avx2(const uint8_t* block) {
     __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(block) + kAhead + line));
 }
 
-template <int WBits, int Rows>
+template <int WBits, int Rows, bool Planes>
 __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -341,21 +390,24 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     __m256i sum[Rows][2];  // in ColumnOrder
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-    for (int q = 0; q < kChunks; ++q) {
-      __m256i lo, hi;
-      chunk_avx2<WBits>(blk + q * kChunkBytes<WBits>, &lo, &hi);
-      // as int16: [pair 2q | 2q + 1][the two halves of ColumnOrder], each 32-bit lane one column's pair
-      __m256i w[2][2];
-      widen_avx2(lo, w[0]);
-      widen_avx2(hi, w[1]);
-      for (int r = 0; r < Rows; ++r) {
-        int32_t x0, x1;
-        std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
-        std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
-        const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
-        for (int h = 0; h < 2; ++h)
-          sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[0][h], b0),
-                                                                    _mm256_madd_epi16(w[1][h], b1)));
+    for (int q2 = 0; q2 < kChunks; q2 += 2) {
+      __m256i w8[4];
+      two_chunks_avx2<WBits, Planes>(blk, q2, w8);
+      for (int c = 0; c < 2; ++c) {
+        const int q = q2 + c;
+        // as int16: [pair 2q | 2q + 1][the two halves of ColumnOrder], each 32-bit lane one column's pair
+        __m256i w[2][2];
+        widen_avx2(w8[2 * c], w[0]);
+        widen_avx2(w8[2 * c + 1], w[1]);
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
+          std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
+          const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+          for (int h = 0; h < 2; ++h)
+            sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[0][h], b0),
+                                                                      _mm256_madd_epi16(w[1][h], b1)));
+        }
       }
     }
     __m256 ws[2];
@@ -454,13 +506,14 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
 }
 
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-template <int WBits, bool Avx512, size_t... Rows>
+enum class Path { kAvx512, kAvx2, kAvx2Planes };
+template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
-  if constexpr (Avx512)
+  if constexpr (P == Path::kAvx512)
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
   else
-    return std::array<Kernel, sizeof...(Rows)>{group_avx2<WBits, static_cast<int>(Rows + 1)>...};
+    return std::array<Kernel, sizeof...(Rows)>{group_avx2<WBits, static_cast<int>(Rows + 1), P == Path::kAvx2Planes>...};
 }
 #endif
 
@@ -473,13 +526,16 @@ void tile(void* user, size_t index) {
   int64_t per_pass = kRowGroup;
   void (*const* kernels)(const Problem<WBits>&, int64_t, int64_t) = nullptr;
 #ifdef MXSPD_X86
-  static constexpr auto k512 = by_rows<WBits, true>(std::make_index_sequence<kRowGroup512>());
-  static constexpr auto k256 = by_rows<WBits, false>(std::make_index_sequence<kRowGroup>());
-  if (kHasAvx512Vbmi) {
+  static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
+  static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+  // MXINT8 has one layout: its planes kernels are the triples ones
+  static constexpr auto k256_planes =
+      by_rows<WBits, WBits == 6 ? Path::kAvx2Planes : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+  if (kHasAvx512Vbmi && p.layout == kTriples) {
     per_pass = kRowGroup512;
     kernels = k512.data();
   } else if (kHasAvx2) {
-    kernels = k256.data();
+    kernels = p.layout == kPlanes ? k256_planes.data() : k256.data();
   }
 #endif
   const int64_t passes = (p.m + per_pass - 1) / per_pass;
@@ -495,11 +551,11 @@ void tile(void* user, size_t index) {
 
 template <int WBits>
 OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void* s, float* y, int64_t m, int64_t k,
-               int64_t n, int64_t kb, int activation_bits) {
+               int64_t n, int64_t kb, int activation_bits, Layout layout) {
   thread_local Activations x;  // reused call after call by the thread that runs the op
   x.fill(a, m, k, kb, activation_bits == 8 ? 127.0f : 32767.0f);
   Problem<WBits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s),
-                   y, m, n, kb};
+                   y, m, n, kb, WBits == 6 ? layout : kTriples};
   return g_api.parallel_for(ctx, tile<WBits>, static_cast<size_t>((n + kGroup - 1) / kGroup), &p);
 }
 
@@ -508,21 +564,25 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
 struct Kernel {
   int64_t k, n, activation_bits, weight_bits, prologue;
   float epsilon;
+  Layout layout;
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   int64_t k = 0, n = 0;
   if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
   if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
-  int64_t bits = 16, wbits = 6, prologue = kNone;
+  int64_t bits = 16, wbits = 6, prologue = kNone, layout = kTriples;
   g_api.optional_attribute(info, "activation_bits", 16, &bits);
   g_api.optional_attribute(info, "weight_bits", 6, &wbits);
+  g_api.optional_attribute(info, "layout", kTriples, &layout);
   float epsilon = 0.0f;
   if (OrtStatus* s = read_prologue(info, "MXMatMul: prologue must be 0, 1 or 2", &prologue, &epsilon)) return s;
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
   if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon};
+  if (layout != kTriples && (layout != kPlanes || wbits != 6))
+    return g_api.error("MXMatMul: layout must be 0 (triples) or, with weight_bits 6, 1 (planes)");
+  *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon, static_cast<Layout>(layout)};
   return *out ? nullptr : g_api.error("MXMatMul: out of memory");
 }
 
@@ -558,11 +618,20 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
     if (OrtStatus* st = prologue_rows(kernel.prologue, kernel.k, kernel.epsilon, ctx, 3, a, adims, m, &rows)) return st;
   if (m == 0) return nullptr;
   const int bits = static_cast<int>(kernel.activation_bits);
-  return kernel.weight_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits)
-                                 : run<6>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits);
+  return kernel.weight_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout)
+                                 : run<6>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout);
 }
 
 }  // namespace
+
+// The MXFP6 layout this machine multiplies fastest (the compiler writes weights in it): triples where the
+// AVX-512 path runs, planes elsewhere.
+int64_t mx_preferred_layout() {
+#ifdef MXSPD_X86
+  if (kHasAvx512Vbmi) return kTriples;
+#endif
+  return kPlanes;
+}
 
 const OrtCustomOp* mx_matmul_op() {
   static const OrtCustomOp op = optional_from<3, 1>(make_op(

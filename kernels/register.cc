@@ -1,5 +1,6 @@
 // The library's entry point: ONNX Runtime's SessionOptions.register_custom_ops_library(path) calls
-// RegisterCustomOps, which adds the ai.mxspd domain with every op of this library.
+// RegisterCustomOps, which adds the ai.mxspd domain with every op of this library. The compiler asks
+// mxspd_mx_preferred_layout (by ctypes) which MXFP6 weight layout to write (kernels/mx_matmul.cc).
 
 #include <mutex>
 
@@ -25,3 +26,5 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   if (failed) return g_api.error("mxspd kernels: registering the ai.mxspd domain failed");
   return g_api.fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
+
+extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout() { return mx_preferred_layout(); }

@@ -23,7 +23,7 @@ import kernels
 from common.targets import session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
-from kernels.layout import pack_columns, pack_int8_columns, pack_scales, unpack_columns
+from kernels.layout import PLANES, TRIPLES, pack_columns, pack_int8_columns, pack_scales, unpack_columns
 from quant import element_values, fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
@@ -59,13 +59,36 @@ def test_layout_round_trips_every_code():
     assert scales.shape == (3, 3, 16) and scales[2, 1, 4] == 37 + 36 and scales[2, 1, 5] == 127  # padding
 
 
-def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list) -> onnx.ModelProto:
-    """MXMatMul on MXFP6 E2M3 codes (uint8) or MXINT8 codes (int8, exponents already holding the 2^-6)."""
+def test_planes_layout_puts_each_code_where_the_avx2_path_reads_it():
+    """Layout PLANES, as kernels/layout.py documents it: per pair of chunks, 32 bytes of chunk 2p's low
+    nibbles, 32 of chunk 2p + 1's, then 32 bytes of top bits (from bit 7 down: bit 4, bit 5 of positions
+    i and 32 + i of chunk 2p, then of 2p + 1)."""
+    codes = np.random.default_rng(0).integers(0, 64, (70, 37)).astype(np.uint8)
+    planes, triples = pack_columns(codes, PLANES), pack_columns(codes, TRIPLES)
+    assert planes.shape == triples.shape == (3, 3, 384)  # the same 6 bits per code
+    chunks = unpack_columns(triples, 70, 37)  # the codes; then each chunk byte's code, by the triples layout
+    by_chunk = np.zeros((48, 96), np.uint8)
+    by_chunk[:37, :70] = chunks.T
+    block = by_chunk.reshape(3, 16, 3, 32).transpose(0, 2, 1, 3)[2, 1]  # group 2, block 1: [column, code]
+    got = planes[2, 1]
+    for q, o in itertools.product(range(8), range(64)):
+        code = block[(o % 32) // 2, 4 * q + 2 * (o // 32) + o % 2]
+        pair, half, i, r = got[96 * (q // 2):], o // 32, o % 32, 2 * (q % 2) + o // 32
+        assert (pair[32 * (q % 2) + i] >> (4 * half)) & 15 == code & 15, (q, o)
+        assert (pair[64 + i] >> (7 - 2 * r)) & 1 == (code >> 4) & 1 and (pair[64 + i] >> (6 - 2 * r)) & 1 == code >> 5
+    with pytest.raises(ValueError, match="unknown MXFP6 layout 2"):
+        pack_columns(codes, 2)
+
+
+def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list,
+                    layout: int = TRIPLES) -> onnx.ModelProto:
+    """MXMatMul on MXFP6 E2M3 codes (uint8, in `layout`) or MXINT8 codes (int8, exponents already holding
+    the 2^-6)."""
     k, n = codes.shape
     int8 = codes.dtype == np.int8
     node = helper.make_node("MXMatMul", ["a", "w", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n, activation_bits=bits,
-                            weight_bits=8 if int8 else 6)
-    packed = pack_int8_columns(codes) if int8 else pack_columns(codes)
+                            weight_bits=8 if int8 else 6, **({} if int8 else {"layout": layout}))
+    packed = pack_int8_columns(codes) if int8 else pack_columns(codes, layout)
     graph = helper.make_graph(
         [node], "mx", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
@@ -110,13 +133,14 @@ WBITS = pytest.mark.parametrize("wbits", [6, 8], ids=["mxfp6", "mxint8"])
 
 
 @needs_library
-@WBITS
+@pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (8, TRIPLES)],
+                         ids=["mxfp6-triples", "mxfp6-planes", "mxint8"])
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("k,n", [(96, 40), (70, 19), (576, 192)])
-def test_values_follow_the_documented_arithmetic(bits, k, n, wbits):
+def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
     codes, exps = random_mx(k, n, wbits=wbits)
     a = np.random.default_rng(1).standard_normal((6, k)).astype(np.float32)
-    y = session(mx_matmul_model(codes, exps, bits, [6, k])).run(None, {"a": a})[0]
+    y = session(mx_matmul_model(codes, exps, bits, [6, k], layout)).run(None, {"a": a})[0]
     ref = reference(a, codes, exps, bits)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     exact = a.astype(np.float64) @ weight_values(codes, exps)
@@ -156,18 +180,20 @@ def test_non_finite_activations_stay_in_their_row():
 @needs_library
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
-    weight formats, both activation widths, every row count from 1 to 25 (AVX-512 passes take 1 to
-    12 rows, AVX2 ones 1 to 6), odd and even column counts, MXINT8's code -128, NaN and subnormal block
-    scales, and zero and NaN activation blocks. (On a CPU without AVX-512 VNNI and VBMI the first two
-    runs take the same path.)"""
+    weight formats, MXFP6 in both layouts, both activation widths, every row count from 1 to 25
+    (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6), odd and even column counts, MXINT8's code
+    -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
+    AVX-512 VNNI and VBMI the first two runs take the same path.)"""
     rng = np.random.default_rng(6)
-    for i, (wbits, bits) in enumerate(itertools.product((6, 8), (16, 8))):
-        codes, exps = random_mx(100, 33, seed=i, wbits=wbits)  # 33 columns: pairs and an odd one
+    cases = [*itertools.product((6, 8), (16, 8)), (6, 16), (6, 8)]  # the last two: MXFP6 in layout PLANES
+    for i, (wbits, bits) in enumerate(cases):
+        codes, exps = random_mx(100, 33, seed=i % 4, wbits=wbits)  # 33 columns: pairs and an odd one
         if wbits == 8:
             codes[5, 3] = -128
         exps[1, 7] = 255  # NaN scale: column 7's outputs are NaN
         exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
-        onnx.save(mx_matmul_model(codes, exps, bits, [None, 100]), tmp_path / f"{i}.onnx")
+        layout = PLANES if i >= 4 else TRIPLES
+        onnx.save(mx_matmul_model(codes, exps, bits, [None, 100], layout), tmp_path / f"{i}.onnx")
     for rows in range(1, 26):
         a = rng.standard_normal((rows, 100)).astype(np.float32)
         a[0, 32:64] = 0.0
@@ -175,15 +201,26 @@ def test_every_path_gives_the_same_bits(tmp_path):
         np.save(tmp_path / f"a{rows}.npy", a)
     code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
             "d = pathlib.Path(sys.argv[1]);"
-            "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(4)];"
+            "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(6)];"
             "[sys.stdout.buffer.write(x.run(None, {'a': np.load(d / f'a{r}.npy')})[0].tobytes())"
             " for x in s for r in range(1, 26)]")
     outs = every_path(code, str(tmp_path))
-    assert len(outs[0]) == 4 * sum(range(1, 26)) * 33 * 4 and outs[0] == outs[1] == outs[2]
+    case = sum(range(1, 26)) * 33 * 4  # bytes per case
+    assert len(outs[0]) == 6 * case and outs[0] == outs[1] == outs[2]
+    assert outs[0][4 * case:] == outs[0][:2 * case]  # MXFP6 in either layout: the same bits
     y = np.frombuffer(outs[0], np.float32)
     assert np.isnan(y).any() and np.isfinite(y).mean() > 0.9  # the NaN cases took effect, the rest did not
     tiny = np.abs(y[np.isfinite(y)])
     assert ((tiny > 0) & (tiny < np.finfo(np.float32).tiny)).any()  # and the subnormal ones
+
+
+@needs_library
+def test_the_preferred_layout_is_the_one_the_chosen_path_decodes():
+    """TRIPLES only where the AVX-512 VBMI path runs (its byte permutes); PLANES for AVX2 and the rest."""
+    widest, avx2, portable = every_path("import kernels; print(kernels.preferred_mx_layout())")
+    assert avx2 == portable == f"{PLANES}\n".encode()
+    if "avx512vbmi" not in open("/proc/cpuinfo").read():
+        assert widest == avx2
 
 
 PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar
@@ -213,6 +250,16 @@ def test_bad_shapes_are_refused_with_a_message():
     with pytest.raises(Exception, match="weight_bits must be 6"):
         session(model)
     next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
+    layout = next(a for a in model.graph.node[0].attribute if a.name == "layout")
+    layout.i = 2
+    with pytest.raises(Exception, match="layout must be 0"):
+        session(model)
+    layout.i = PLANES
+    session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 8  # MXINT8 has one layout
+    with pytest.raises(Exception, match="with weight_bits 6, 1"):
+        session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
     model.graph.node[0].attribute.extend([helper.make_attribute("prologue", 2), helper.make_attribute("epsilon", 1e-5)])
     with pytest.raises(Exception, match="required input is missing"):  # a residual norm without skip and gamma
         session(model).run(None, {"a": np.ones((2, 64), np.float32)})
@@ -226,6 +273,8 @@ def test_native_lowering_runs_mxmatmul_on_the_mx_values(lowering, tmp_path):
     quantize_model(model)
     assert lower_model(model, lowering) == {WEIGHT: "fp6_e2m3"}
     assert [(n.op_type, n.domain) for n in model.graph.node] == [("MXMatMul", kernels.DOMAIN)]
+    layout = next(a.i for a in model.graph.node[0].attribute if a.name == "layout")
+    assert layout == kernels.preferred_mx_layout()  # the weights in the layout this machine reads fastest
     build._check_lowered(model, "decode", lowering, {WEIGHT: "fp6_e2m3"})
     x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
     y = ort.InferenceSession(model.SerializeToString(), session_options(),

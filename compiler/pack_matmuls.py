@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from compiler.invariance import Read, Store, drop_dead, initializer_array
 from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL
-from kernels.layout import GROUP, PANEL
+from kernels.layout import GROUP, PANEL, TRIPLES
 
 SEPARATOR = "|"  # a packed weight's name: its members' names joined (compiler.build checks each survived)
 COLUMNS = {MX_MATMUL: GROUP, ROW_MATMUL: PANEL}  # the columns each op's weights group together
@@ -33,7 +33,7 @@ def _group(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple | 
     a = _attributes(node)
     if node.op_type == MX_MATMUL:
         return (node.op_type, node.input[0], a["K"], a.get("activation_bits"), a.get("weight_bits", 6),
-                a.get("layout", 0))
+                a.get("layout", TRIPLES))
     if node.op_type == ROW_MATMUL:
         return node.op_type, node.input[0], tuple(inits[node.input[1]].dims[1:])
     return None

@@ -555,7 +555,7 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
   thread_local Activations x;  // reused call after call by the thread that runs the op
   x.fill(a, m, k, kb, activation_bits == 8 ? 127.0f : 32767.0f);
   Problem<WBits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s),
-                   y, m, n, kb, WBits == 6 ? layout : kTriples};
+                   y, m, n, kb, layout};
   return g_api.parallel_for(ctx, tile<WBits>, static_cast<size_t>((n + kGroup - 1) / kGroup), &p);
 }
 

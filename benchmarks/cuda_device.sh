@@ -1,72 +1,30 @@
 #!/usr/bin/env bash
-# Issue 29's GPU checks in one run on a lent GPU machine (docs/benchmarks.md, "GPU target"): installs the
-# carried onnxruntime-gpu, builds the SmolLM2 recipe for ort-cuda (float16 and MXFP6) and measures
-# STEPS (default "report gpu"): `report`, the Figure-7 report twice; `gpu`, benchmarks.gpu (CUDA graphs on
-# and off, host overhead, the floor, what a call costs after which other call, and onnxruntime-genai-cuda's
-# fp16 and int4 builds if its wheel came); `draft`, the Figure-7 report twice on tiny-stdlib-spd, whose
-# draft model ships in the repository (draft-model speculation on the GPU).
-# PIECES holds piece.* (one tar, split to fit the device tool's transfers) of: ortgpu.tar.xz and
-# libort.tar.xz (onnxruntime-gpu's package folder), wheels (gguf, transformers, onnxruntime-genai-cuda)
-# and SmolLM2-135M-Instruct.Q4_1.gguf.xz. Logs and reports go to OUT.
+# Issue 29's GPU checks on a lent GPU machine (docs/benchmarks.md, "GPU target"), run from the repository.
+# The machine reaches no package index, so what it lacks travels in PIECES, over as many calls as the
+# device tool's 64 MiB per call take (each call copies its share into PIECES):
+#   ort.*  onnxruntime-gpu's package folder as one tar.xz, split (cat ort.* | xz -d | tar x);
+#   *.whl  wheels installed with --no-deps (transformers, gguf; onnxruntime-genai-cuda for --genai);
+#   SmolLM2-135M-Instruct.Q4_1.gguf.xz, for the SmolLM2 steps only.
+# STEPS (default "report gpu"):
+#   bg7b    copies the repository to /root/src and starts building the 7B-shaped recipe's two artifacts
+#           (llama2-7b-spd's widths with LAYERS decoder layers, default 2, and the llama-160m draft;
+#           random weights) in the background, with the machine's CPU ONNX Runtime: the wheels are
+#           enough, and the build overlaps the calls that bring onnxruntime-gpu. Graph costs are then
+#           not timed at build (no CUDA provider yet): the runtime's policies measure them as they go.
+#   7b      waits for those builds, then the Figure-7 report on them twice and benchmarks.gpu on both;
+#   memory  waits for those builds, then benchmarks.gpu_memory on both (shared weights against a copy per session);
+#   report  the Figure-7 report on smollm2-135m-chat twice;   draft  the same on tiny-stdlib-spd;
+#   gpu     benchmarks.gpu on smollm2-135m-chat (float16 and MXFP6; onnxruntime-genai-cuda if its wheel came).
+# Logs and reports go to OUT (at most 8 files come back from the device tool).
 set -uo pipefail
 P=${PIECES:?} OUT=${OUT:?}
-B=/root/bundle SITE=/tmp/site
-if [ ! -d $B ]; then mkdir -p $B; cat $P/piece.* | tee >(md5sum >&2) | tar xf - -C $B || exit 1; fi
-python3 - <<'PY' || exit 1
-import lzma, pathlib, shutil, tarfile
-b, site = pathlib.Path("/root/bundle"), pathlib.Path("/tmp/site")
-gguf = b / "SmolLM2-135M-Instruct.Q4_1.gguf"
-if not gguf.exists():
-    with lzma.open(f"{gguf}.xz") as src, open(gguf, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-for t in b.glob("*.tar.xz"):
-    tarfile.open(t).extractall(site)
-PY
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE $B/*.whl 2>&1 | grep -v WARN
-SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-LD_LIBRARY_PATH=$(find "$SP/nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)
-export LD_LIBRARY_PATH PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import onnxruntime as o, transformers, torch; print('ort', o.__version__, o.get_available_providers(),
-'transformers', transformers.__version__, 'torch', torch.__version__)"
-GGUF=$B/SmolLM2-135M-Instruct.Q4_1.gguf
-REP=/root/rep/smollm2-135m-chat
-GENAI=$(ls $B | grep -q onnxruntime_genai && echo fp16,int4)
-if [[ " ${STEPS:-report gpu} " == *" report "* ]]; then
-  for i in 1 2; do
-    SECONDS=0
-    timeout ${REPORT_S:-300} python3 -m benchmarks.report --recipe smollm2-135m-chat --target ort-cuda --tlm $GGUF \
-      --out /root/rep --bandwidth-gib 4 > $OUT/report$i.log 2>&1
-    echo "report $i: rc $? in ${SECONDS}s"
-    cp $REP/report.md $OUT/report$i.md; cp $REP/report.json $OUT/report$i.json
-  done
-fi
-if [[ " ${STEPS:-report gpu} " == *" draft "* ]]; then
-  for i in 1 2; do
-    SECONDS=0
-    timeout ${REPORT_S:-300} python3 -m benchmarks.report --recipe tiny-stdlib-spd --target ort-cuda --out /root/rep \
-      --bandwidth-gib 4 > $OUT/draft$i.log 2>&1
-    echo "draft report $i: rc $? in ${SECONDS}s"
-    cp /root/rep/tiny-stdlib-spd/report.md $OUT/draft$i.md; cp /root/rep/tiny-stdlib-spd/report.json $OUT/draft$i.json
-  done
-fi
-if [[ " ${STEPS:-report gpu} " == *" gpu "* ]]; then
-  SECONDS=0
-  [ -d $REP/mxfp6 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --out $REP/mxfp6 \
-    --quiet > $OUT/export_mxfp6.log 2>&1 &
-  [ -d $REP/fp32 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --mx-format none \
-    --out $REP/fp32 --quiet > $OUT/export_fp16.log 2>&1 &
-  [ -n "$GENAI" ] && python3 -c "from benchmarks.vs_llamacpp import Genai
-for p in '$GENAI'.split(','): Genai(__import__('pathlib').Path('$GGUF'), p, 1, provider='cuda')" > $OUT/genai_build.log 2>&1 &
-  wait
-  echo "builds: ${SECONDS}s"
-  timeout ${GPU_S:-300} python3 -m benchmarks.gpu $REP/fp32 $REP/mxfp6 --rounds 2 ${GENAI:+--genai $GENAI --gguf $GGUF} \
-    > $OUT/gpu.json 2> $OUT/gpu.log
-  echo "gpu: rc $? in ${SECONDS}s"
-  tail -n 3 $OUT/*.log
-  python3 - <<'PY'
-import json, os
-r = json.load(open(os.environ["OUT"] + "/gpu.json"))
+SITE=/tmp/site ORTGPU=/tmp/ortgpu SRC=/root/src CK=/root/ck R7=/root/rep7
+has() { [[ " ${STEPS:-report gpu} " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1
+summarize() {  # benchmarks.gpu's JSON, the figures docs/benchmarks.md quotes
+  python3 - "$1" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
 print(r["gpu"], r["read_bandwidth_GB_per_s"], "GB/s")
 for a, v in r["artifacts"].items():
     print(a, v["weights_read_per_token_MB"], "MB/token, floor", v["floor_tokens_per_s"], "same", v["same_tokens"])
@@ -77,4 +35,105 @@ for a, v in r["artifacts"].items():
               x["host_ms_per_token"], x["spd_equals_ar"]) for x in rows])
 print(json.dumps(r.get("genai"), indent=1))
 PY
+}
+mkdir -p $SITE
+if compgen -G "$P/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE $P/*.whl 2>&1 | grep -v WARN
+fi
+REPORT7=(python3 -m benchmarks.report --recipe llama2-7b-spd --target ort-cuda --tlm $CK/tlm --dlm $CK/dlm
+         --max-new-tokens "${NEW7:-64}" --out $R7 --bandwidth-gib 4)
+
+if has bg7b; then
+  rm -rf $SRC && cp -a . $SRC && cd $SRC || exit 1
+  PYTHONPATH=$SITE:$SRC setsid nohup bash -c "
+    python3 -m benchmarks.make_checkpoint --shape llama2-7b --layers ${LAYERS:-2} --out $CK/tlm > /root/ck_tlm.log 2>&1 &
+    python3 -m benchmarks.make_checkpoint --shape llama-160m --out $CK/dlm > /root/ck_dlm.log 2>&1 &
+    wait; echo checkpoints at \$(date +%T); ${REPORT7[*]} --parallel-builds; echo builds done at \$(date +%T)
+  " > /root/bg7b.log 2>&1 < /dev/null &
+  echo $! > /root/bg7b.pid
+  echo "started the 7B-shaped builds in the background at $(date +%T)"
+  exit 0
+fi
+
+# onnxruntime-gpu, ahead of the machine's CPU onnxruntime on the path; pip's CUDA libraries found by the loader
+if [ ! -d $ORTGPU/onnxruntime ]; then
+  mkdir -p $ORTGPU && cat $P/ort.* | xz -d | tar xf - -C $ORTGPU || exit 1
+fi
+SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+LD_LIBRARY_PATH=$(find "$SP/nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)
+export LD_LIBRARY_PATH PYTHONPATH=$ORTGPU:$SITE:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import onnxruntime as o, transformers, torch; print('ort', o.__version__, o.get_available_providers(),
+'transformers', transformers.__version__, 'torch', torch.__version__)"
+
+if has 7b || has memory; then
+  cd $SRC || exit 1
+  export PYTHONPATH=$ORTGPU:$SITE:$SRC
+  SECONDS=0
+  timeout "${BUILD_WAIT_S:-300}" bash -c 'while kill -0 "$(cat /root/bg7b.pid)" 2> /dev/null; do sleep 1; done'
+  waited=$?
+  echo "waited ${SECONDS}s for the background builds"; cp /root/bg7b.log $OUT/bg7b.log; tail -n 2 /root/bg7b.log
+  # still building: a report now would start a second build of the same folders
+  [ $waited -eq 0 ] || { echo "the background builds are still running"; exit 1; }
+fi
+if has memory; then  # one device copy of each model's weights for all its graphs, against a copy per session
+  for a in fp32 mxfp6; do
+    timeout "${MEMORY_S:-80}" python3 -m benchmarks.gpu_memory $R7/llama2-7b-spd/$a > $OUT/memory_$a.json 2> $OUT/memory_$a.log
+    echo "memory $a: rc $?"; cat $OUT/memory_$a.json; tail -n 2 $OUT/memory_$a.log
+  done
+fi
+if has 7b; then
+  for i in 1 2; do
+    SECONDS=0
+    timeout "${REPORT7_S:-240}" "${REPORT7[@]}" > $OUT/r7_$i.log 2>&1
+    echo "7B-shaped report $i: rc $? in ${SECONDS}s"
+    cp $R7/llama2-7b-spd/report.json $OUT/r7_$i.json
+    sed -n '/^|/p' $R7/llama2-7b-spd/report.md
+  done
+  SECONDS=0
+  timeout "${GPU7_S:-150}" python3 -m benchmarks.gpu $R7/llama2-7b-spd/fp32 $R7/llama2-7b-spd/mxfp6 --rounds 2 \
+    --new-tokens "${NEW7:-64}" > $OUT/gpu7.json 2> $OUT/gpu7.log
+  echo "gpu: rc $? in ${SECONDS}s"; tail -n 3 $OUT/gpu7.log
+  summarize $OUT/gpu7.json
+fi
+
+GGUF=/root/SmolLM2-135M-Instruct.Q4_1.gguf
+if has report || has gpu; then
+  [ -f $GGUF ] || xz -dc $P/SmolLM2-135M-Instruct.Q4_1.gguf.xz > $GGUF || exit 1
+fi
+REP=/root/rep/smollm2-135m-chat
+GENAI=$(compgen -G "$P/onnxruntime_genai*.whl" > /dev/null && echo fp16,int4)
+if has report; then
+  for i in 1 2; do
+    SECONDS=0
+    timeout "${REPORT_S:-300}" python3 -m benchmarks.report --recipe smollm2-135m-chat --target ort-cuda --tlm $GGUF \
+      --out /root/rep --bandwidth-gib 4 > $OUT/report$i.log 2>&1
+    echo "report $i: rc $? in ${SECONDS}s"
+    cp $REP/report.md $OUT/report$i.md; cp $REP/report.json $OUT/report$i.json
+  done
+fi
+if has draft; then
+  for i in 1 2; do
+    SECONDS=0
+    timeout "${REPORT_S:-300}" python3 -m benchmarks.report --recipe tiny-stdlib-spd --target ort-cuda --out /root/rep \
+      --bandwidth-gib 4 > $OUT/draft$i.log 2>&1
+    echo "draft report $i: rc $? in ${SECONDS}s"
+    cp /root/rep/tiny-stdlib-spd/report.md $OUT/draft$i.md; cp /root/rep/tiny-stdlib-spd/report.json $OUT/draft$i.json
+  done
+fi
+if has gpu; then
+  SECONDS=0
+  [ -d $REP/mxfp6 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --out $REP/mxfp6 \
+    --quiet > $OUT/export_mxfp6.log 2>&1 &
+  [ -d $REP/fp32 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --mx-format none \
+    --out $REP/fp32 --quiet > $OUT/export_fp16.log 2>&1 &
+  [ -n "$GENAI" ] && python3 -c "from benchmarks.vs_llamacpp import Genai
+for p in '$GENAI'.split(','): Genai(__import__('pathlib').Path('$GGUF'), p, 1, provider='cuda')" > $OUT/genai_build.log 2>&1 &
+  wait
+  echo "builds: ${SECONDS}s"
+  timeout "${GPU_S:-300}" python3 -m benchmarks.gpu $REP/fp32 $REP/mxfp6 --rounds 2 ${GENAI:+--genai $GENAI --gguf $GGUF} \
+    > $OUT/gpu.json 2> $OUT/gpu.log
+  echo "gpu: rc $? in ${SECONDS}s"
+  tail -n 3 $OUT/*.log
+  summarize $OUT/gpu.json
 fi

@@ -1,6 +1,6 @@
 """Write a checkpoint with the exact shape of a real model and RANDOM weights, without downloading it.
 
-    python -m benchmarks.make_checkpoint --shape llama2-7b --out DIR [--seed 0]
+    python -m benchmarks.make_checkpoint --shape llama2-7b --out DIR [--seed 0] [--layers N]
 
 Shapes: llama2-7b (meta-llama/Llama-2-7b-chat-hf), llama-160m (JackFram/llama-160m), codegen-6b
 (Salesforce/codegen-6B-mono), codegen-350m (Salesforce/codegen-350M-mono). The weights are random
@@ -8,7 +8,9 @@ Shapes: llama2-7b (meta-llama/Llama-2-7b-chat-hf), llama-160m (JackFram/llama-16
 nothing meaningful. It exists to measure what the real size costs (export time, memory, disk,
 decode speed). Tensors are written one at a time, so memory stays at one tensor whatever the
 size. The tokenizer is a byte-level BPE trained on this Python's standard library sources to the
-model's vocabulary size (deterministic); models of one family get the same tokenizer.
+model's vocabulary size (deterministic); models of one family get the same tokenizer. `--layers N`
+keeps the shape's widths with N decoder layers: each layer costs what the full model's does, so a
+short lease can build and time it (docs say so wherever a figure comes from one).
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ LLAMA2_CHAT = ("{% for m in messages %}{% if m['role'] == 'user' %}"
                "{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
 
 
-def config_for(shape: str) -> PretrainedConfig:
+def config_for(shape: str, layers: int | None = None) -> PretrainedConfig:
     values = dict(SHAPES[shape])
     kind = values.pop("model_type")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be at least 1, not {layers}")
+        values["num_hidden_layers" if kind == "llama" else "n_layer"] = layers
     return (LlamaConfig if kind == "llama" else CodeGenConfig)(**values)
 
 
@@ -114,8 +120,8 @@ def write_tokenizer(out: Path, vocab_size: int, bos: str, eos: str, chat_templat
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def make_checkpoint(shape: str, out: Path, seed: int = 0, progress: bool = True) -> Path:
-    config = config_for(shape)
+def make_checkpoint(shape: str, out: Path, seed: int = 0, progress: bool = True, layers: int | None = None) -> Path:
+    config = config_for(shape, layers)
     out.mkdir(parents=True, exist_ok=True)
     shapes = tensor_shapes(config)
     total = write_safetensors(out / "model.safetensors", shapes, seed, progress)
@@ -124,7 +130,8 @@ def make_checkpoint(shape: str, out: Path, seed: int = 0, progress: bool = True)
     write_tokenizer(out, config.vocab_size, "<s>" if llama else "<|bos|>", "</s>" if llama else "<|endoftext|>",
                     LLAMA2_CHAT if llama else None)
     params = sum(int(np.prod(s)) for s in shapes.values())
-    (out / "README.md").write_text(f"RANDOM weights with the shape of {shape} ({params:,} parameters, "
+    kept = "" if layers is None else f", {layers} decoder layers"
+    (out / "README.md").write_text(f"RANDOM weights with the shape of {shape}{kept} ({params:,} parameters, "
                                    f"{total / 2**30:.1f} GiB float16), written by benchmarks.make_checkpoint. "
                                    "Not a trained model.\n")
     AutoConfig.from_pretrained(out, local_files_only=True)  # readable by transformers
@@ -136,9 +143,13 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's own)")
     args = ap.parse_args()
-    path = make_checkpoint(args.shape, args.out, args.seed)
-    print(f"wrote {path}: RANDOM weights with the shape of {args.shape}")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be at least 1, not {args.layers}")
+    path = make_checkpoint(args.shape, args.out, args.seed, layers=args.layers)
+    kept = "" if args.layers is None else f" ({args.layers} decoder layers)"
+    print(f"wrote {path}: RANDOM weights with the shape of {args.shape}{kept}")
 
 
 if __name__ == "__main__":

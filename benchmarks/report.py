@@ -19,8 +19,10 @@ does not fit this machine (export or load) is reported as "does not fit", with t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the read-bandwidth probe")
     parser.add_argument("--target", choices=TARGETS, help="build and run for this target (default: the recipe's)")
     parser.add_argument("--draft-length", type=int, help="fix SpD's draft length (default: the timed policy's choice)")
+    parser.add_argument("--parallel-builds", action="store_true",
+                        help="build the two artifacts in two processes at once (twice the build's peak memory)")
     args = parser.parse_args(argv)
     recipe = get_recipe(args.recipe)
     for role, path in (("tlm", args.tlm), ("dlm", args.dlm)):
@@ -247,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     fmt = recipe.tlm.mx_format or "fp6_e2m3"
     lowering = recipe.tlm.mx_lowering if recipe.tlm.mx_format else "fused"
     dirs, arts, unfit = {}, {}, {}
-    for which, variant_recipe in (("fp32", variant(recipe, None)), ("mxfp6", variant(recipe, fmt, lowering))):
+    variants = {"fp32": variant(recipe, None), "mxfp6": variant(recipe, fmt, lowering)}
+    if args.parallel_builds:
+        _build_in_parallel(variants, out)
+    for which, variant_recipe in variants.items():
         try:
             dirs[which] = build_cached(variant_recipe, out / which)
             arts[which] = runtime.load_artifact(dirs[which])
@@ -291,6 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(report))
     print(f"wrote {out}/report.json, report.md, report.png")
     return 0 if all(all(v) for v in report["greedy_spd_equals_ar"].values()) else 1
+
+
+def _build_in_parallel(variants: dict, out: Path) -> None:
+    """Each artifact built in its own process (a build is mostly single-threaded: on a machine with
+    cores and memory to spare this halves the wait). Failures are left to the sequential pass after,
+    which reports them as it always does (a build that did not fit, say)."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds ONNX Runtime's threads
+    with concurrent.futures.ProcessPoolExecutor(len(variants), mp_context=ctx) as pool:
+        done = [pool.submit(build_cached, r, out / which, False) for which, r in variants.items()]
+        concurrent.futures.wait(done)
 
 
 def _does_not_fit(recipe, rows_of: dict, out: Path, unfit: dict[str, str]) -> int:

@@ -202,4 +202,11 @@ def output_shapes(dims: ModelDims, batch: int, tokens: int) -> dict[str, tuple]:
 # binds cache_out to the cache itself). cache: [2L, 1, H, C, D] (layer i's key at 2i, value at
 # 2i + 1); new: a call's new KV of all layers [2L, 1, H, T, D]; rows, slots: int64 [m].
 KV_STORE_FILE = "kv_store.onnx"
+
+# A model's initializer index, beside its weights (`<role>/initializers.json`) where its graphs run on a
+# device: {graph: [[name, numpy dtype, dims, offset, length], ...]}, the graph's large initializers as
+# offsets into the model's weights file. One ONNX Runtime session per graph would otherwise hold its
+# own device copy of every weight (nine graphs, nine copies); the runtime puts each distinct tensor
+# on the device once and hands it to every session (common/shared_weights.py).
+INITIALIZERS_FILE = "initializers.json"
 KV_CACHE, KV_NEW, KV_ROWS, KV_SLOTS, KV_CACHE_OUT = "cache", "new", "rows", "slots", "cache_out"

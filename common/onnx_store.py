@@ -27,9 +27,8 @@ ALIGN = 4096
 
 
 def _tensor_bytes(t: onnx.TensorProto) -> bytes:
-    if t.raw_data:
-        return t.raw_data
-    return numpy_helper.to_array(t).tobytes()
+    data = t.raw_data  # each read of the field copies it out of the message: read it once
+    return data if data else numpy_helper.to_array(t).tobytes()
 
 
 def _content_key(t: onnx.TensorProto, data: bytes) -> str:

@@ -22,13 +22,15 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from common.graph_io import KV_STORE_FILE, ModelDims
+from common.graph_io import INITIALIZERS_FILE, KV_STORE_FILE, ModelDims
 from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha256_file
 from common.ngram_table import FILE as NGRAM_TABLE_FILE
 from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
+from common.shared_weights import SharedWeights
 from common.staging import MARKER, check_output, make_staging
 from common.targets import (
+    DEVICE,
     FLOAT16_TARGETS,
     OFFLINE_LEVEL,
     PREPACKED_TARGETS,
@@ -42,7 +44,14 @@ from compiler.invariance import check_invariant, inline_attention, make_invarian
 from compiler.kv_store import store_graph
 from compiler.layouts import fold_layouts, tensor_shapes
 from compiler.matmul_prologue import fuse_matmul_prologues
-from compiler.mx_lowering import ACCURACY_LEVEL, KERNEL_OPS, NATIVE_ACTIVATION_BITS, NATIVE_DOMAIN, lower_model
+from compiler.mx_lowering import (
+    ACCURACY_LEVEL,
+    KERNEL_OPS,
+    NATIVE_ACTIVATION_BITS,
+    NATIVE_DOMAIN,
+    Memo,
+    lower_model,
+)
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
 from compiler.rotary_attention import fuse_rotary_attention
@@ -73,7 +82,7 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     return out
 
 
-def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile
+def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile, memo: Memo
            ) -> tuple[Path, dict[str, str], dict[str, list[int | None]]]:
     """Lower the MX ops of one graph for ONNX Runtime, weight by weight, and make it batch-invariant
     (or inline its attention), into the model's lowered weights file (shared by its graphs: equal
@@ -92,7 +101,7 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     if invariant:  # mxspd's kernels are there
         fuse_rotary(model, read, shapes)
         fold_layouts(model, shapes)
-    lowered = lower_model(model, lowering, read=read, store=shared.external) if lowering else {}
+    lowered = lower_model(model, lowering, read=read, store=shared.external, memo=memo) if lowering else {}
     if invariant:
         make_invariant(model, read=read, store=shared.external)
     else:
@@ -107,6 +116,21 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
             t.CopyFrom(shared.external(data))
     shared.f.flush()
     return save_graph(model, here.parent / f"lowered-{name}.onnx"), lowered, shapes
+
+
+SHARED_MIN_BYTES = 1 << 20  # weights; small constants (shapes, norms) may be planned on the host: left alone
+
+
+def _initializer_index(graph: Path, weights_name: str) -> list[list]:
+    """The graph's large initializers in the model's weights file: [name, numpy dtype, dims, offset, length]
+    (common/graph_io.py's INITIALIZERS_FILE)."""
+    out = []
+    for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
+        info = {e.key: e.value for e in t.external_data}
+        if info.get("location") == weights_name and int(info["length"]) >= SHARED_MIN_BYTES:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
+            out.append([t.name, dtype, list(t.dims), int(info.get("offset", 0)), int(info["length"])])
+    return out
 
 
 def effective_lowering(lowering: str, target: str) -> str:
@@ -157,9 +181,11 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     invariant = effective_invariance(invariant, target)
 
     def optimized(work: Path, shared: SharedFile) -> Iterator[tuple[str, Path]]:
-        """Each graph lowered and optimised in turn; its optimised copy goes once it is merged."""
+        """Each graph lowered and optimised in turn; its optimised copy goes once it is merged. Its
+        graphs share the exported weights, so each MX weight is lowered once (`memo`)."""
+        memo: Memo = {}
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
-            graph, lowered, shapes = _lower(export_dir, name, lowering, invariant, shared)
+            graph, lowered, shapes = _lower(export_dir, name, lowering, invariant, shared, memo)
             path = _optimize(graph, target, work)
             if target in FLOAT16_TARGETS:
                 to_float16(path)
@@ -183,10 +209,15 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         with shared_file(Path(work) / "lowered.bin") as shared:
             paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
+    shared = None
+    if DEVICE[target] != "cpu":  # one device copy of the weights for all the graphs' sessions
+        index = {g: _initializer_index(p, info["weights"]) for g, p in paths.items()}
+        (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
+        shared = SharedWeights(out_dir, out_dir / info["weights"], DEVICE[target])
     dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target in FLOAT16_TARGETS else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
-                           target)
+                           target, shared=shared)
     if quant:
         quant["lowering"] = lowering
         bits = NATIVE_ACTIVATION_BITS.get(lowering)

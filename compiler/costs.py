@@ -14,6 +14,8 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.graph_io import ModelDims
+from common.manifest import ArtifactError
+from common.shared_weights import SharedWeights
 from common.targets import (
     DEVICE,
     TargetUnavailableError,
@@ -64,22 +66,32 @@ def bound_call(session: ort.InferenceSession, dims: ModelDims, tokens: int, cont
 
 
 def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: str,
-                   repeats: int = 5) -> dict[str, float]:
+                   repeats: int = 5, shared: SharedWeights | None = None) -> dict[str, float]:
     """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs, timed as the
     runtime runs them (but for its per-call copy of ids, positions and mask, a few microseconds):
     outputs bound, logits brought to the host, and on a GPU replayed as CUDA graphs
     (timed without them, a scoring call read 2.4x a decode call's cost where it costs 1.1-1.4x, and
     speculation never drafted: docs/benchmarks.md, "GPU target"). Empty when the target's provider is
-    not on the build machine or cannot start there (the runtime then measures for itself)."""
+    not on the build machine or cannot start there (the runtime then measures for itself). `shared`: the
+    model's weights, one device copy for all the graphs' sessions, as the runtime holds them."""
     try:
         check_target(target)  # also loads pip's CUDA libraries for the GPU target
     except TargetUnavailableError:
         return {}
-    so = compiled_session_options(target)  # as the runtime runs them: mapped blobs, spinning within calls
+
+    def options(graph: str) -> ort.SessionOptions:
+        so = compiled_session_options(target)
+        return shared.add_to(graph, so) if shared is not None else so
+
     cuda_graph = DEVICE[target] == "cuda"
-    with parked_pools():
-        sessions = {n: ort.InferenceSession(str(p), so, providers=providers(target, cuda_graph))
-                    for n, (p, _) in graphs.items()}
+    try:
+        with parked_pools():  # as the runtime runs them: mapped blobs, spinning within calls, weights shared
+            sessions = {n: ort.InferenceSession(str(p), options(n), providers=providers(target, cuda_graph))
+                        for n, (p, _) in graphs.items()}
+    except ArtifactError:  # the index or the weights file is wrong: the build must say so
+        raise
+    except RuntimeError:  # no device to put the shared weights on ("no such device", from ortvalue_from_numpy)
+        return {}
     try:  # onnxruntime-gpu lists its provider on a machine without a GPU too
         for session in sessions.values():
             check_session(session, target)

@@ -28,6 +28,7 @@ with weight_bits = 8: 32 code bytes and one exponent byte per 32 weights, 8.25 b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -66,17 +67,33 @@ Store = Callable[[onnx.TensorProto], onnx.TensorProto]  # a new initializer -> w
 Read = Callable[[onnx.TensorProto], bytes]  # an initializer -> its bytes
 
 
-class _Builder:
-    """Adds constant tensors and nodes to a graph, with names unique to one weight."""
+Memo = dict[tuple, onnx.TensorProto]  # (weight's source, constant's name) -> the stored constant
 
-    def __init__(self, graph: onnx.GraphProto, store: Store) -> None:
-        self.graph, self.store = graph, store
+
+class _Builder:
+    """Adds constant tensors and nodes to a graph, with names unique to one weight.
+
+    With a `memo` shared by the graphs of one model, a weight's constants are computed and stored
+    once (its `source` names where the MX weight's bytes came from), and later graphs take the
+    stored tensor: the lowering of a 7B model's weights is then done once, not once per graph."""
+
+    def __init__(self, graph: onnx.GraphProto, store: Store, memo: Memo | None = None) -> None:
+        self.graph, self.store, self.memo = graph, store, memo
         self.nodes: list[onnx.NodeProto] = []
         self.shared: set[str] = set()
+        self.source: tuple | None = None  # set per weight by lower_model; None: nothing memoised
 
-    def const(self, name: str, array: np.ndarray) -> str:
+    def const(self, name: str, array: np.ndarray | Callable[[], np.ndarray]) -> str:
+        """`array` may be a function that computes it, called only if no memoised copy is there."""
         if name not in self.shared:
-            self.graph.initializer.append(self.store(numpy_helper.from_array(np.ascontiguousarray(array), name)))
+            key = (self.source, name)
+            stored = self.memo.get(key) if self.memo is not None and self.source else None
+            if stored is None:
+                value = array() if callable(array) else array
+                stored = self.store(numpy_helper.from_array(np.ascontiguousarray(value), name))
+                if self.memo is not None and self.source:
+                    self.memo[key] = stored
+            self.graph.initializer.append(stored)  # a copy: the memo's message stays as it was
             self.shared.add(name)
         return name
 
@@ -147,15 +164,16 @@ def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
         )
 
 
-def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list,
-                  activation_bits: int, layout: int) -> None:
+def _lower_native(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callable[[], tuple[np.ndarray, np.ndarray]],
+                  matmuls: list, activation_bits: int, layout: int) -> None:
     """MatMul -> ai.mxspd::MXMatMul(A, codes and E8M0 bytes in the kernel's layout, kernels/layout.py;
-    MXFP6 in `layout`, the one this machine's library multiplies fastest)."""
+    MXFP6 in `layout`, the one this machine's library multiplies fastest). `load()`: the [K, N]
+    codes and the E8M0 bytes."""
     _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
-    k, n = codes.shape
     int8 = fmt == "int8"
-    weights = b.const(name + NATIVE_SUFFIX, pack_int8_columns(codes) if int8 else pack_columns(codes, layout))
-    scales = b.const(name + ".e8m0", pack_scales(exps))
+    weights = b.const(name + NATIVE_SUFFIX, lambda: pack_int8_columns(load()[0]) if int8
+                      else pack_columns(load()[0], layout))
+    scales = b.const(name + ".e8m0", lambda: pack_scales(load()[1]))
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
@@ -166,20 +184,25 @@ def _lower_native(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.
             mm.attribute.append(helper.make_attribute("layout", layout))
 
 
-def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray, matmuls: list) -> None:
-    """Computed here, tensor by tensor, not as a subgraph for ONNX Runtime to fold: folding every
-    weight's unpacking at once held about 17 bytes per weight (5.6 GB for a 325M model)."""
-    _need_e2m3(name, fmt, "fused")
+def _by_column(fmt: str, codes: np.ndarray, kb: int) -> np.ndarray:
+    """MatMulNBits' 8-bit weights: per output column, K in blocks, zero point 128."""
     k, n = codes.shape
-    kb = exps.shape[0]
-    by_column = np.full((n, kb * BLOCK), 128, dtype=np.uint8)  # MatMulNBits: per output column, K in blocks
+    by_column = np.full((n, kb * BLOCK), 128, dtype=np.uint8)
     if fmt == "int8":  # the codes themselves, with zero point 128 (the default for bits = 8)
         by_column[:, :k] = (codes.T.astype(np.int16) + 128).astype(np.uint8)
     else:
         as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
         by_column[:, :k] = (as_int8 + 128).astype(np.uint8)[codes.T]
-    weights = b.const(name + FUSED_SUFFIX, by_column.reshape(n, kb, BLOCK))
-    scales = b.const(name + ".scale", _scale_table(1.0 if fmt == "int8" else 8.0)[exps.T.reshape(-1)])
+    return by_column.reshape(n, kb, BLOCK)
+
+
+def _lower_fused(b: _Builder, name: str, fmt: str, k: int, n: int, kb: int,
+                 load: Callable[[], tuple[np.ndarray, np.ndarray]], matmuls: list) -> None:
+    """Computed here, tensor by tensor, not as a subgraph for ONNX Runtime to fold: folding every
+    weight's unpacking at once held about 17 bytes per weight (5.6 GB for a 325M model)."""
+    _need_e2m3(name, fmt, "fused")
+    weights = b.const(name + FUSED_SUFFIX, lambda: _by_column(fmt, load()[0], kb))
+    scales = b.const(name + ".scale", lambda: _scale_table(1.0 if fmt == "int8" else 8.0)[load()[1].T.reshape(-1)])
     for mm in matmuls:
         mm.op_type, mm.domain = "MatMulNBits", MS_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
@@ -189,13 +212,22 @@ def _lower_fused(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
         ])
 
 
+def _source(t: onnx.TensorProto) -> tuple | None:
+    """Where an external tensor's bytes are (file, offset, length): the same place, the same bytes."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return tuple(sorted((e.key, e.value) for e in t.external_data))
+
+
 def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.raw_data,
-                store: Store = lambda t: t) -> dict[str, str]:
+                store: Store = lambda t: t, memo: Memo | None = None) -> dict[str, str]:
     """Replace every MX DequantizeLinear in `model` (in place); returns {weight name: format}.
 
     One weight at a time: `read` gives an MX initializer's bytes (the graph may be loaded without
     its external data) and `store` receives each new initializer as soon as it is made (for
     example to write it to a weights file and keep only a pointer), so memory holds one weight.
+    `memo`: shared by the graphs of one model (whose external weights are read from one place), so
+    that a weight lowered for one graph is not computed again for the next (fused and native).
     """
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown MX lowering {lowering!r}; choose one of {LOWERINGS}")
@@ -205,7 +237,7 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
     for node in graph.node:
         for i in node.input:
             consumers.setdefault(i, []).append(node)
-    b = _Builder(graph, store)
+    b = _Builder(graph, store, memo)
     lowered: dict[str, str] = {}
     dropped: set[str] = set()
     for node in list(graph.node):
@@ -219,20 +251,23 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
         if attrs.get("axis") != 0 or attrs.get("block_size") != BLOCK or len(data.dims) != 2:
             raise LoweringError(f"{node.name}: only [K, N] weights blocked by {BLOCK} along K (axis 0) are lowered")
         k, n = data.dims
-        raw = np.frombuffer(read(data), dtype=np.uint8)
-        codes = (raw.view(np.int8) if fmt == "int8" else unpack_fp6(raw, k * n)).reshape(k, n)
-        exps = np.frombuffer(read(scale), dtype=np.uint8).reshape(tuple(scale.dims))
+        load = functools.cache(lambda data=data, scale=scale, fmt=fmt, k=k, n=n: _codes(read, data, scale, fmt, k, n))
         w = node.output[0]
         if lowering == "exact":
-            _lower_exact(b, w, fmt, codes, exps)
+            b.source = None
+            _lower_exact(b, w, fmt, *load())
         else:
             users = consumers.get(w, [])
             if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
                 raise LoweringError(f"weight {w!r}: the {lowering} lowering needs it to feed MatMul weights only")
+            where = (_source(data), _source(scale))
+            layout = preferred_mx_layout() if lowering != "fused" else None
+            b.source = ((lowering, layout, fmt, data.data_type, tuple(data.dims), tuple(scale.dims), *where)
+                        if None not in where else None)
             if lowering == "fused":
-                _lower_fused(b, w, fmt, codes, exps, users)
+                _lower_fused(b, w, fmt, k, n, scale.dims[0], load, users)
             else:
-                _lower_native(b, w, fmt, codes, exps, users, NATIVE_ACTIVATION_BITS[lowering], preferred_mx_layout())
+                _lower_native(b, w, fmt, k, n, load, users, NATIVE_ACTIVATION_BITS[lowering], layout)
         graph.node.remove(node)
         dropped |= {data.name, scale.name}
         lowered[w] = fmt
@@ -241,6 +276,14 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
     rewrite_graph(graph, [t for t in graph.initializer if t.name not in dropped], b.nodes)
     _restore_opset(model, KERNEL_OPS[lowering][0] if lowering in KERNEL_OPS else None)
     return lowered
+
+
+def _codes(read: Read, data: onnx.TensorProto, scale: onnx.TensorProto, fmt: str, k: int, n: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """A weight's [K, N] codes and its E8M0 exponent bytes, from its MX initializers."""
+    raw = np.frombuffer(read(data), dtype=np.uint8)
+    codes = (raw.view(np.int8) if fmt == "int8" else unpack_fp6(raw, k * n)).reshape(k, n)
+    return codes, np.frombuffer(read(scale), dtype=np.uint8).reshape(tuple(scale.dims))
 
 
 def _restore_opset(model: onnx.ModelProto, domain: str | None) -> None:

@@ -31,6 +31,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
+from common.shared_weights import SharedWeights
 from common.targets import DEVICE, check_session, compiled_session_options, parked_pools, providers
 from runtime.device_kv import DeviceKV, zeros
 
@@ -51,6 +52,7 @@ class _BoundGraph:
     new_kv: np.ndarray  # host cache only: new KV of all layers [2L, 1, H, T, D] (new_key.0, new_value.0, ...)
     on_device: dict[str, ort.OrtValue] | None = None  # device cache: the bound buffers, by input/output name
     new_stack: ort.OrtValue | None = None  # device cache: new KV of all layers [2L, 1, H, T, D]
+    shared: SharedWeights | None = None  # the weights the session was handed: they must outlive it
 
     def upload(self) -> None:
         """Copy the filled host inputs into their device buffers (same addresses: CUDA graphs replay)."""
@@ -115,17 +117,23 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
+        model_dir = Path(artifact_dir) / Path(entry.weights).parent
+        # on a device, one copy of the weights for all the graphs (artifacts built before the index: one each)
+        self.shared = SharedWeights.available(model_dir, Path(artifact_dir) / entry.weights, DEVICE[target]
+                                              ) if self.kv is not None else None
         with parked_pools():
             self.graphs = {
-                name: self._load(Path(artifact_dir) / g.file, g.tokens, target, threads)
+                name: self._load(name, Path(artifact_dir) / g.file, g.tokens, target, threads)
                 for name, g in entry.graphs.items()
             }
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
         self.captured: set[int] = set()  # threads that hold this runner's CUDA graphs (capture_graphs)
         self.warm: set[str] = set()  # graphs run at least once (a first run allocates: warm_up)
 
-    def _load(self, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
+    def _load(self, name: str, path: Path, tokens: int, target: str, threads: int | None) -> _BoundGraph:
         so = compiled_session_options(target, threads)
+        if self.shared is not None:
+            self.shared.add_to(name, so)
         session = ort.InferenceSession(str(path), so, providers=self._providers)
         check_session(session, target)
         d, c = self.dims, self.context
@@ -138,6 +146,7 @@ class ModelRunner:
             mask=np.zeros((1, tokens, c + tokens), dtype=bool),
             logits=np.zeros((1, tokens, d.vocab_size), dtype=np.float32),
             new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
+            shared=self.shared,
         )
         if self.kv is not None:
             self._bind_device(g)

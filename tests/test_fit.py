@@ -89,3 +89,16 @@ def test_make_checkpoint_states_the_weights_are_random(tmp_path, monkeypatch):
     assert "RANDOM weights" in (out / "README.md").read_text()
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 400
     assert GIB > (out / "model.safetensors").stat().st_size > 0
+
+
+def test_make_checkpoint_layers_keeps_the_widths(tmp_path):
+    import benchmarks.make_checkpoint as mc
+
+    full, short = mc.config_for("llama2-7b"), mc.config_for("llama2-7b", layers=2)
+    assert (short.num_hidden_layers, full.num_hidden_layers) == (2, 32)
+    assert (short.hidden_size, short.intermediate_size, short.vocab_size) == (4096, 11008, 32000)
+    assert mc.config_for("codegen-350m", layers=3).n_layer == 3
+    shapes = mc.tensor_shapes(short)
+    assert not any(".layers.2." in name for name in shapes) and any(".layers.1." in name for name in shapes)
+    with pytest.raises(ValueError, match="at least 1"):
+        mc.config_for("llama2-7b", layers=0)

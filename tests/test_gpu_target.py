@@ -8,6 +8,7 @@ ONNX Runtime has no CUDA provider or whose session fell back to the CPU.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -22,6 +23,7 @@ from common import graph_io, targets
 from common.manifest import read_manifest
 from common.recipe import ModelSpec
 from common.targets import TargetUnavailableError, check_session, compiled_session_options
+from compiler import build
 from compiler.float16 import norm_statistics, to_float16
 from export.pipeline import build_artifact
 from runtime.model_runner import ModelRunner
@@ -116,7 +118,9 @@ def test_the_call_pattern_benchmark_times_each_call_and_leaves_the_sequence_as_i
 @pytest.fixture(scope="module")
 def cuda_artifact(tmp_path_factory, checkpoints):
     recipe = replace(tiny_recipe(target="ort-cuda"), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))
-    with pytest.warns(UserWarning, match="batch-invariant graphs need mxspd's kernels"):
+    warned = pytest.warns(UserWarning, match="batch-invariant graphs need mxspd's kernels")
+    with warned, pytest.MonkeyPatch.context() as m:
+        m.setattr(build, "SHARED_MIN_BYTES", 4096)  # the tiny models' matrices, as a real model's weights are shared
         return build_artifact(recipe, tmp_path_factory.mktemp("cuda") / "art", tlm=str(checkpoints["llama-gqa"]),
                               dlm=str(checkpoints["draft"]), progress=False)
 
@@ -180,6 +184,48 @@ def test_a_float16_device_cache_commits_what_a_float16_host_cache_commits(cuda_a
         runner.commit([0, 2])  # not a chain: the rows' KV go to slots 12 and 13
         logits.append(runner.forward(graph_io.DECODE, np.array([11])))
     np.testing.assert_array_equal(*logits)
+    # the device runner's sessions used one shared copy of each weight (the same values as their own)
+    listed = [row for rows in runner.shared.index.values() for row in rows]
+    assert len(runner.shared.index) == len(entry.graphs) and len(listed) >= 7 * len(entry.graphs)
+    assert 0 < len(runner.shared.values) < len(listed)  # each distinct tensor once, for every graph
+
+
+def test_device_sessions_compute_with_the_weights_they_are_handed(cuda_artifact, monkeypatch, tmp_path):
+    """The control for the shared weights: handed a zeroed copy of the weights file, the sessions compute
+    something else, so they use the tensors they are handed, not a copy of their own."""
+    from common.shared_weights import SharedWeights
+    from runtime import model_runner
+
+    monkeypatch.setattr(model_runner, "compiled_session_options",
+                        lambda target, threads=None: compiled_session_options("ort-cuda", threads))
+    manifest = read_manifest(cuda_artifact)
+    entry = manifest.models["tlm"]
+    zeroed = tmp_path / "zeroed.bin"
+    zeroed.write_bytes(bytes((cuda_artifact / entry.weights).stat().st_size))
+
+    def decode() -> np.ndarray:
+        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target="ort-cpu", device_cache=True)
+        runner.start(np.arange(5, 17))
+        return runner.forward(graph_io.DECODE, np.array([11]))
+
+    handed = decode()
+    monkeypatch.setattr(SharedWeights, "available",
+                        classmethod(lambda cls, model_dir, weights, device: cls(model_dir, zeroed, device)))
+    assert np.isfinite(handed).all() and not np.allclose(decode(), handed)
+
+
+def test_the_initializer_index_points_at_each_graphs_weights(cuda_artifact):
+    """What the runtime puts on the device in place of a session's own copy must be that tensor."""
+    manifest = read_manifest(cuda_artifact)
+    for role, entry in manifest.models.items():
+        weights = cuda_artifact / entry.weights
+        index = json.loads((weights.parent / graph_io.INITIALIZERS_FILE).read_text())
+        graph = onnx.load(str(cuda_artifact / entry.graphs[graph_io.DECODE].file))  # with its external data
+        values = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+        assert index[graph_io.DECODE], role
+        for name, dtype, dims, offset, length in index[graph_io.DECODE]:
+            stored = np.fromfile(weights, np.uint8, count=length, offset=offset).view(dtype).reshape(dims)
+            np.testing.assert_array_equal(stored, values[name])
 
 
 def test_cuda_graphs_without_the_device_cache_or_on_the_cpu_are_refused(cuda_artifact):
@@ -254,3 +300,20 @@ def test_a_gpu_session_that_fell_back_to_the_cpu_is_refused():
     check_session(session, "ort-cpu")
     with pytest.raises(TargetUnavailableError, match="could not start CUDAExecutionProvider"):
         check_session(session, "ort-cuda")
+
+
+def test_float16_values_equal_onnxruntimes_conversion_bit_for_bit():
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    from compiler.float16 import float16_values
+
+    edges = np.array([0.0, -0.0, 1e-9, -1e-9, 5.96e-08, -5.96e-08, 6e-8, 1e-7, 65504.0, 65519.0, -65520.0, 1e6,
+                      -1e30, np.inf, -np.inf, np.nan, 3.14159, -2.5e-5, 1.0], np.float32)
+    rng = np.random.default_rng(0)
+    wide = (rng.standard_normal(100_000) * 10.0 ** rng.uniform(-12, 8, 100_000)).astype(np.float32)
+    for x in (edges, wide, np.ones(7, np.float32)):
+        got, want = float16_values(x), convert_np_to_float16(x)
+        assert got.dtype == want.dtype == np.float16
+        assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
+    with np.errstate(over="ignore"):  # the control: a plain cast differs (it overflows to infinity)
+        assert float16_values(wide).tobytes() != wide.astype(np.float16).tobytes()

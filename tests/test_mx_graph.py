@@ -314,3 +314,35 @@ def test_export_cli_mx_flags(checkpoints, tmp_path, capsys):
     assert main(["--recipe", str(recipe), "--mx-format", "fp6_e2m3", "--out", str(out), "--quiet"]) == 0
     expected = "native" if library_path() is not None else "fused"  # the default, or its fallback
     assert load_artifact(out).manifest.models["tlm"].quant["lowering"] == expected
+
+
+@pytest.mark.parametrize("lowering", ["fused", "native"])
+def test_a_memo_lowers_each_weight_once_for_all_graphs_of_a_model(tmp_path, monkeypatch, lowering):
+    """The graphs of one model read the same exported weights: with a memo the second graph takes
+    the first one's lowered tensors (no recomputation) and ends up with the same bytes."""
+    from common.onnx_store import read_tensor
+
+    model = matmul_model(weights(256, 64))
+    quantize_model(model)
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True, location="w.bin",
+                    size_threshold=0)
+    computed = []
+    by_column, pack = mx_lowering._by_column, mx_lowering.pack_scales
+    monkeypatch.setattr(mx_lowering, "_by_column", lambda *a: computed.append("fused") or by_column(*a))
+    monkeypatch.setattr(mx_lowering, "pack_scales", lambda *a: computed.append("native") or pack(*a))
+    memo, lowered = {}, []
+    for _ in range(2):
+        graph = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+        assert lower_model(graph, lowering, read=lambda t: read_tensor(t, tmp_path), memo=memo) == {WEIGHT: "fp6_e2m3"}
+        lowered.append({t.name: t.raw_data for t in graph.graph.initializer})
+    assert computed == [lowering]  # the first graph computed it, the second did not
+    other = "native" if lowering == "fused" else "fused"  # the same weight for another lowering: not a hit
+    lower_model(onnx.load(str(tmp_path / "m.onnx"), load_external_data=False), other,
+                read=lambda t: read_tensor(t, tmp_path), memo=memo)
+    assert computed == [lowering, other]
+    computed.clear()
+    assert lowered[0] == lowered[1] and any(len(v) > 1000 for v in lowered[1].values())
+    fresh = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    lower_model(fresh, lowering, read=lambda t: read_tensor(t, tmp_path))  # the control: no memo, computed again
+    assert computed == [lowering]
+    assert {t.name: t.raw_data for t in fresh.graph.initializer} == lowered[0]

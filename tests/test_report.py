@@ -241,3 +241,20 @@ def test_sensitivity_float_model_is_transformers_own():
     x = torch.arange(40)[None]
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, load_model(model_dir, 256, progress=False)(x).logits)
+
+
+def test_parallel_builds_leave_both_artifacts_cached(checkpoints, tmp_path, monkeypatch):
+    from benchmarks import variants
+    from recipes import get_recipe
+
+    recipe = get_recipe(write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], None))
+    both = {"fp32": variants.variant(recipe, None), "mxfp6": variants.variant(recipe, "fp6_e2m3")}
+    report._build_in_parallel(both, tmp_path / "out")
+
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the report's sequential pass rebuilt an artifact the parallel pass had built")
+
+    monkeypatch.setattr(variants, "build_artifact", rebuilt)
+    for which, r in both.items():
+        assert variants.build_cached(r, tmp_path / "out" / which) == tmp_path / "out" / which
+    assert (tmp_path / "out" / "mxfp6" / "manifest.json").is_file()

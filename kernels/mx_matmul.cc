@@ -315,7 +315,7 @@ __attribute__((target("avx2,fma"))) inline void chunk_avx2(const uint8_t* chunk,
 template <int WBits, bool Planes>
 __attribute__((target("avx2,fma"))) inline void two_chunks_avx2(const uint8_t* block, int q, __m256i w[4]) {
   if constexpr (Planes) {
-    const uint8_t* pair = block + (q / 2) * kPairBytes;
+    const uint8_t* pair = block + static_cast<unsigned>(q) / 2 * kPairBytes;  // q even: no signed-division fixup
     const __m256i low4 = _mm256_set1_epi8(15);
     const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
     const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
@@ -390,7 +390,8 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     __m256i sum[Rows][2];  // in ColumnOrder
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-    for (int q2 = 0; q2 < kChunks; q2 += 2) {
+#pragma GCC unroll 4
+    for (int q2 = 0; q2 < kChunks; q2 += 2) {  // unrolled: each pair's offsets become constants
       __m256i w8[4];
       two_chunks_avx2<WBits, Planes>(blk, q2, w8);
       for (int c = 0; c < 2; ++c) {

@@ -6,12 +6,13 @@
 A K+1-token scoring call reads the same weights as a decode step, so at the bandwidth floor it
 would cost one step. This times the kernels alone, on a stack of 1024 x 8192 weights as large as the
 220M checkpoint's (24 layers: 805 MB in float32), for M = 1..9 rows: float32 MatMul (MLAS SGEMM,
-weights prepacked by the session) and the fused MXFP6 kernel (MatMulNBits bits=8, block 32,
+weights prepacked by the session), mxspd's RowMatMul (`float32 row`: the batch-invariant float32 op
+that compiled float32 graphs run, kernels/row_matmul.cc) and the fused MXFP6 kernel (MatMulNBits bits=8, block 32,
 accuracy_level 4, as compiler/mx_lowering.py emits it) and mxspd's own MXMatMul (kernels/mx_matmul.cc:
 MXFP6 with int16 or int8 activations, MXINT8). Whatever a whole graph adds on top (attention, per-row
 elementwise ops) comes on top of these ratios.
 
-`--baseline OTHER.so` (another build of mxspd's kernel library) times the native kinds with both
+`--baseline OTHER.so` (another build of mxspd's kernel library) times the library's kinds with both
 libraries in one process, alternated call batch by call batch, checks that they give the same bits,
 and prints baseline / installed: on a noisy shared box, a fairer comparison than two runs. A small
 stack (`--layers 16 --columns 512 --threads 1`: 6 MB of MXFP6, within the L3 cache) times the kernels'
@@ -33,14 +34,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from common.targets import session_options, spin_within_calls
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
-from kernels import DOMAIN, MX_MATMUL, preferred_mx_layout, require_library
-from kernels.layout import BLOCK_BYTES, GROUP, TRIPLES, pack_columns, pack_int8_columns
+from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL, preferred_mx_layout, require_library
+from kernels.layout import BLOCK_BYTES, GROUP, TRIPLES, pack_columns, pack_int8_columns, pack_panels
 
 K, N = 1024, 8192
 ROWS = (1, 2, 3, 5, 9)
-KINDS = ("float32", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
-# The native kinds: (weight bits, activation bits).
+KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
+# The MX kinds of mxspd's kernel library: (weight bits, activation bits).
 NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
+LIBRARY_KINDS = {*NATIVE, "float32 row"}  # run by mxspd's kernel library (RowMatMul: the float32 graphs' op)
 
 
 def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[onnx.ModelProto, int]:
@@ -52,6 +54,10 @@ def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[on
         if kind == "float32":
             inits.append(numpy_helper.from_array((rng.standard_normal((K, n)) * 0.02).astype(np.float32), f"w{i}"))
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
+        elif kind == "float32 row":
+            w = (rng.standard_normal((K, n)) * 0.02).astype(np.float32)
+            inits.append(numpy_helper.from_array(pack_panels(w), f"w{i}"))
+            nodes.append(helper.make_node(ROW_MATMUL, ["x", f"w{i}"], [f"y{i}"], domain=DOMAIN, N=n))
         elif kind in NATIVE:
             wbits, abits = NATIVE[kind]
             codes = (pack_columns(rng.integers(0, 64, size=(K, n), dtype=np.uint8), layout) if wbits == 6
@@ -75,7 +81,7 @@ def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[on
     if kind in NATIVE:
         per_weight = (K // BLOCK) * (n // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
     else:
-        per_weight = K * n * 4 if kind == "float32" else K * n + (K // BLOCK) * n * 4
+        per_weight = K * n * 4 if kind.startswith("float32") else K * n + (K // BLOCK) * n * 4
     return model, layers * per_weight
 
 
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="intra-op threads (default: every core)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
-    ap.add_argument("--baseline", type=Path, help="another build of the kernel library, for the native kinds")
+    ap.add_argument("--baseline", type=Path, help="another build of the kernel library, for its kinds")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
@@ -102,14 +108,15 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--columns must be a positive multiple of {GROUP}")
     if args.baseline is not None and not args.baseline.is_file():
         ap.error(f"--baseline {args.baseline}: no such file")
-    if set(kinds) & set(NATIVE):
+    if set(kinds) & LIBRARY_KINDS:
         require_library()
     rng = np.random.default_rng(0)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}  # kind -> ({library name: session}, weight bytes)
         for kind in kinds:
-            libraries = {"installed": None} | ({"baseline": args.baseline} if args.baseline and kind in NATIVE else {})
+            other = args.baseline and kind in LIBRARY_KINDS
+            libraries = {"installed": None} | ({"baseline": args.baseline} if other else {})
             sessions = {}
             for name, lib in libraries.items():  # each library's weights in the MXFP6 layout it prefers
                 layout = preferred_mx_layout(lib) if kind in NATIVE else TRIPLES

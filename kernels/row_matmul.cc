@@ -41,14 +41,24 @@ void element_scalar(const Problem& p, int64_t row, int64_t col) {
 }
 
 #ifdef MXSPD_X86
-// R rows by V * 8 columns, accumulators in registers; each element is the same fma chain as element_scalar.
+// A K-chunk of a panel (64 k: 16 KB) stays in L1 while every row of the call reads it. Reading a whole
+// panel once per pair of rows and half its columns at a time (as before) made a 2-row scoring call cost
+// 1.6x a decode step in float32 (half of every 256-byte panel row per pass defeats streaming); now the
+// first row streams each chunk's whole lines and the others read it from L1: 2 rows cost 0.95-1.2x one
+// (docs/benchmarks.md; asking for the next chunk while the other rows compute gained nothing measurable).
+constexpr int64_t kChunkK = 64;
+
+// R rows by V * 8 columns over k in [k0, k1), accumulators in registers, carried between chunks in Y;
+// each element is the same fma chain as element_scalar.
 template <int R, int V>
-__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t row, int64_t col) {
+__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t row, int64_t col, int64_t k0,
+                                                    int64_t k1) {
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  const float* b = p.column(col);
-  for (int64_t k = 0; k < p.k; ++k, b += kPanel) {
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(p.y + (row + r) * p.n + col + 8 * v);
+  const float* b = p.column(col) + k0 * kPanel;
+  for (int64_t k = k0; k < k1; ++k, b += kPanel) {
     for (int r = 0; r < R; ++r) {
       const __m256 x = _mm256_broadcast_ss(p.a + (row + r) * p.k + k);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + 8 * v), acc[r][v]);
@@ -58,15 +68,31 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t ro
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(p.y + (row + r) * p.n + col + 8 * v, acc[r][v]);
 }
 
-// Columns [c, end) in blocks of `width` (8 * V): a single row 64 wide, else rows in pairs.
+// Rows [row, m) by columns [c, end) in blocks of 8 * V columns and pairs of rows; returns where it stopped.
 template <int V>
-__attribute__((target("avx2,fma"))) int64_t blocks_avx2(const Problem& p, int64_t c, int64_t end) {
+__attribute__((target("avx2,fma"))) int64_t blocks_avx2(const Problem& p, int64_t row0, int64_t c, int64_t end,
+                                                        int64_t k0, int64_t k1) {
   for (; c + 8 * V <= end; c += 8 * V) {
-    int64_t row = 0;
-    for (; row + 2 <= p.m; row += 2) block_avx2<2, V>(p, row, c);
-    if (row < p.m) block_avx2<1, V>(p, row, c);
+    int64_t row = row0;
+    for (; row + 2 <= p.m; row += 2) block_avx2<2, V>(p, row, c, k0, k1);
+    if (row < p.m) block_avx2<1, V>(p, row, c, k0, k1);
   }
   return c;
+}
+
+// A panel's columns [c, end) chunk by chunk; returns the first column left to the scalar path.
+__attribute__((target("avx2,fma"))) int64_t panel_avx2(const Problem& p, int64_t c, int64_t end) {
+  int64_t stop = c;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunkK) {
+    const int64_t k1 = std::min(p.k, k0 + kChunkK);
+    int64_t row = 0;
+    if (c + kPanel <= end) {  // a whole panel: row 0 streams the chunk's lines, 8 accumulators
+      block_avx2<1, 8>(p, 0, c, k0, k1);
+      row = 1;
+    }
+    stop = blocks_avx2<1>(p, row, blocks_avx2<4>(p, row, c, end, k0, k1), end, k0, k1);
+  }
+  return stop;
 }
 #endif
 
@@ -75,13 +101,7 @@ void task(void* user, size_t index) {
   int64_t c = static_cast<int64_t>(index) * kPanel;
   const int64_t end = std::min(p.n, c + kPanel);
 #ifdef MXSPD_X86
-  if (kHasAvx2) {
-    if (p.m == 1 && c + 64 <= end) {  // decode: one row, 8 independent accumulators streaming B
-      block_avx2<1, 8>(p, 0, c);
-      c += 64;
-    }
-    c = blocks_avx2<1>(p, blocks_avx2<4>(p, c, end), end);
-  }
+  if (kHasAvx2) c = panel_avx2(p, c, end);
 #endif
   for (; c < end; ++c)
     for (int64_t row = 0; row < p.m; ++row) element_scalar(p, row, c);

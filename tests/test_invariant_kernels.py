@@ -27,7 +27,7 @@ def row_matmul_model(w: np.ndarray, m: int | None, k: int | None = None) -> onnx
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)])
 
 
-@pytest.mark.parametrize("k,n", [(70, 200), (64, 64), (576, 130)])
+@pytest.mark.parametrize("k,n", [(70, 200), (64, 64), (576, 130), (130, 100)])
 def test_row_matmul_values_and_row_invariance(k, n):
     rng = np.random.default_rng(k)
     w, a = rng.standard_normal((k, n)).astype(np.float32), rng.standard_normal((17, k)).astype(np.float32)

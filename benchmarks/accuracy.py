@@ -38,7 +38,7 @@ PLAIN = {"mx_int8": (), "mx_lm_head": False}
 HEAD6 = {"mx_int8": (), "mx_lm_head": True}
 HEAD8 = {"mx_int8": ("lm_head",), "mx_lm_head": False}
 ALL_INT8 = {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}  # every decoder linear and the head in MXINT8
-# The tensors that cost SmolLM2 most agreement in MXFP6 (docs/benchmarks.md), in MXINT8: attention, the MLP's
+# The tensors that cost SmolLM2 most agreement in MXFP6 (docs/benchmarks-history.md), in MXINT8: attention, the MLP's
 # down projection, the last layer and the head.
 SENSITIVE8 = {"mx_int8": ("lm_head", "self_attn", "down_proj", "layers.29."), "mx_lm_head": False}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
@@ -76,7 +76,7 @@ def config_artifact(recipe, name: str, config: tuple, out_dir: Path) -> Path:
 
 
 # A second natural-language text that needs no download, unlike a licence (repetitive legal prose, on
-# which one format's luck decides perplexity: docs/benchmarks.md): the Python language reference's
+# which one format's luck decides perplexity: docs/benchmarks-history.md): the Python language reference's
 # topic pages that CPython ships for pydoc, the same on every machine with the same Python.
 PYTHON_DOCS = "pydoc:topics"
 

@@ -64,7 +64,7 @@ def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
     decode call, of a decode call right after a scoring call, and of committing 1 and 3 rows, all on the
     same cached prompt; as in generation each call is followed by its commit (rewound after), so "after a
     decode call" means after a decode call and its commit. Shows whether alternating graphs, or the
-    commits, cost what the calls alone do not (with CUDA graphs they do not: docs/benchmarks.md)."""
+    commits, cost what the calls alone do not (with CUDA graphs they do not: docs/benchmarks-history.md)."""
     runner = art.tlm
     runner.rewind(0)
     runner.start(np.asarray(prompt))

@@ -3,7 +3,7 @@
     python -m benchmarks.sensitivity [--recipe smollm2-135m-chat] [--text FILE|pydoc:topics] [--tokens 1024]
                                      [--by kind|layer|tensor] [--base-int8 lm_head] [--out reports]
 
-How a recipe's `mx_int8` list is chosen (docs/benchmarks.md, Accuracy). transformers' float32 model
+How a recipe's `mx_int8` list is chosen (docs/benchmarks-history.md, Accuracy). transformers' float32 model
 of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the first
 --tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
 project's quantizer as the quant pass would store them: the recipe's format, exponent choice and

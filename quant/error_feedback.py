@@ -23,7 +23,7 @@ from quant.mx import quantize, round_to_grid
 # Added to H's diagonal, times its mean: keeps H^-1 well conditioned, and tempers how far the
 # calibration text's particulars steer the rounding. GPTQ's default is 0.01; on SmolLM2 the mean KL
 # divergence from float32 on two held-out texts was flat from 0.1 to 1.0 and lowest at 0.3, 5% above
-# it at 0.01 (docs/benchmarks.md, Accuracy).
+# it at 0.01 (docs/benchmarks-history.md, Accuracy).
 DAMP = 0.3
 
 

@@ -5,7 +5,7 @@ sees, so its text should look like them. With no dataset to draw on, the text is
 a prose file that needs no download (default: the Apache-2.0 licence Debian ships, which the
 accuracy benchmark never scores), and the n-gram draft's instructions (recipes/ngram_draft.py; the
 recipe's own prompts left out) in the chat template, each followed by the float32 model's greedy
-answer as transformers generates it from the same checkpoint. Measured on SmolLM2 (docs/benchmarks.md,
+answer as transformers generates it from the same checkpoint. Measured on SmolLM2 (docs/benchmarks-history.md,
 Accuracy): the answers alone gained little on held-out prose, the licence alone most on the other
 licence; both together gained on both held-out texts. Deterministic: fixed instructions, greedy decoding.
 

@@ -189,7 +189,7 @@ class ModelRunner:
     def warm_up(self, graphs: Iterable[str]) -> None:
         """Run each of these graphs that has not run yet once. A session's first run allocates its
         buffers: lookahead's 13-row graph took 16.8 ms the first time in a process, 4.6 plain steps
-        (docs/benchmarks.md), so a drafter warms the graphs it may call before its first round. (CUDA
+        (docs/benchmarks-history.md), so a drafter warms the graphs it may call before its first round. (CUDA
         graphs: their capture at a thread's first call runs every graph.)"""
         if not self.cuda_graph:
             self._run_padding(sorted(set(graphs) - self.warm), runs=1)

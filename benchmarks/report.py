@@ -70,8 +70,10 @@ def memory_mib(art_dir: Path) -> dict:
 
 def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int,
             draft_length: int | None = None) -> dict:
-    """Every configuration (`rows`, as configs()) on every prompt, interleaved; `draft_length` fixes
-    SpD's draft length (None: the timed policy chooses, and may choose not to draft)."""
+    """Every configuration (`rows`, as configs()) on every prompt, interleaved, their order rotated
+    prompt by prompt (a configuration run always after the same other one, or always first, would
+    carry what that one leaves in caches, and the box's drift within a round, into its figures);
+    `draft_length` fixes SpD's draft length (None: the timed policy chooses, and may choose not to draft)."""
     runs: dict[str, list] = {name: [] for name in rows}
 
     def one(which: str, spd: bool | str, prompt: str):
@@ -82,9 +84,11 @@ def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, war
     for which, spd in rows.values():
         for _ in range(warmup):
             one(which, spd, prompts[0])
+    order = list(rows.items())
     for _ in range(repeats):
         for i, prompt in enumerate(prompts):
-            for name, (which, spd) in rows.items():
+            order = order[1:] + order[:1]
+            for name, (which, spd) in order:
                 runs[name].append((i, one(which, spd, prompt)))
     return runs
 

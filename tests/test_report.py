@@ -258,3 +258,30 @@ def test_parallel_builds_leave_both_artifacts_cached(checkpoints, tmp_path, monk
     for which, r in both.items():
         assert variants.build_cached(r, tmp_path / "out" / which) == tmp_path / "out" / which
     assert (tmp_path / "out" / "mxfp6" / "manifest.json").is_file()
+
+
+def test_rows_take_turns_at_each_position(monkeypatch):
+    """Rows interleave prompt by prompt in a rotated order: none always first or always after the same
+    other row (what a row inherits from the one before it, caches and the box's drift, is spread)."""
+    calls: list[tuple[str, object]] = []
+
+    class Runner:
+        def rewind(self, length: int) -> None:
+            assert length == 0
+
+    class Art:
+        tlm = Runner()
+
+    def generate(art, prompt, **kw):
+        calls.append((prompt, kw["speculative"]))
+        return prompt
+
+    monkeypatch.setattr(report.runtime, "generate", generate)
+    rows = {"a": ("x", False), "b": ("x", True), "c": ("y", "lookahead")}
+    prompts = ["p0", "p1", "p2"]
+    runs = report.run_all({"x": Art(), "y": Art()}, rows, prompts, None, warmup=0, repeats=1)
+    assert {name: [r for _, r in got] for name, got in runs.items()} == {name: prompts for name in rows}
+    rounds = [[spd for _, spd in calls[i : i + 3]] for i in range(0, 9, 3)]
+    firsts = {r[0] for r in rounds}
+    assert firsts == {False, True, "lookahead"}  # each row first once
+    assert all(sorted(map(str, r)) == sorted(map(str, (False, True, "lookahead"))) for r in rounds)

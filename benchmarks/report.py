@@ -70,9 +70,9 @@ def memory_mib(art_dir: Path) -> dict:
 
 def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, warmup: int, repeats: int,
             draft_length: int | None = None) -> dict:
-    """Every configuration (`rows`, as configs()) on every prompt, interleaved, their order rotated
-    prompt by prompt (a configuration run always after the same other one, or always first, would
-    carry what that one leaves in caches, and the box's drift within a round, into its figures);
+    """Every configuration (`rows`, as configs()) on every prompt, interleaved, in the order
+    `round_order` gives each prompt (a configuration always run after the same one, or always first,
+    would carry what that one leaves in caches, and the box's drift within a round, into its figures);
     `draft_length` fixes SpD's draft length (None: the timed policy chooses, and may choose not to draft)."""
     runs: dict[str, list] = {name: [] for name in rows}
 
@@ -84,13 +84,21 @@ def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, war
     for which, spd in rows.values():
         for _ in range(warmup):
             one(which, spd, prompts[0])
-    order = list(rows.items())
-    for _ in range(repeats):
+    items = list(rows.items())
+    for r in range(repeats):
         for i, prompt in enumerate(prompts):
-            order = order[1:] + order[:1]
-            for name, (which, spd) in order:
+            for j in round_order(len(items), r * len(prompts) + i):
+                name, (which, spd) = items[j]
                 runs[name].append((i, one(which, spd, prompt)))
     return runs
+
+
+def round_order(n: int, i: int) -> list[int]:
+    """Round i's order of n configurations, a Williams design: over n rounds each comes first once and
+    right after each other one once (for odd n over 2n rounds, the second n mirrored)."""
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    order = [(s + i) % n for s in first]
+    return order[::-1] if (i // n) % 2 else order
 
 
 def summarize(runs: list) -> dict:

@@ -246,7 +246,7 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
 // On a Zen 3 core (AVX2, no AVX-512) decoding MXFP6, not memory, bounded a one-row call: a chunk is
 // decoded in registers (layout planes: a mask, a 16-entry lookup, two blends and byte doublings, 8
 // vector ops per 32 codes, the loads included; layout triples: shuffles, shifts and the lookup, 15) and
-// widened to int16 there by in-lane unpacks, which leave the columns in ColumnOrder (docs/benchmarks.md).
+// widened to int16 there by in-lane unpacks, which leave the columns in ColumnOrder (docs/benchmarks-history.md).
 
 // Per 128-bit lane: each 3 packed bytes [b0 b1 b2] (4 codes at bits 0, 6, 12, 18) to one 32-bit lane
 // [b0 b1 b1 b2], the second lane's bytes starting `second` bytes into its 16.
@@ -370,7 +370,7 @@ __attribute__((target("avx2,fma"))) inline void scales_avx2(const uint8_t* e8, _
 }
 
 // The weights 1 KiB past a block, asked for while it is multiplied: a call's weights are one stream per
-// thread, but the hardware prefetcher stops at each 4 KiB page (docs/benchmarks.md: 1.03-1.04x MXFP6 and
+// thread, but the hardware prefetcher stops at each 4 KiB page (docs/benchmarks-history.md: 1.03-1.04x MXFP6 and
 // 1.10-1.12x MXINT8 at one row on a Zen 3). As an integer: the address may lie past the weights, where a
 // prefetch does nothing.
 template <int WBits>

@@ -45,7 +45,7 @@ void element_scalar(const Problem& p, int64_t row, int64_t col) {
 // panel once per pair of rows and half its columns at a time (as before) made a 2-row scoring call cost
 // 1.6x a decode step in float32 (half of every 256-byte panel row per pass defeats streaming); now the
 // first row streams each chunk's whole lines and the others read it from L1: 2 rows cost 0.95-1.2x one
-// (docs/benchmarks.md; asking for the next chunk while the other rows compute gained nothing measurable).
+// (docs/benchmarks-history.md; asking for the next chunk while the other rows compute gained nothing measurable).
 constexpr int64_t kChunkK = 64;
 
 // R rows by V * 8 columns over k in [k0, k1), accumulators in registers, carried between chunks in Y;
@@ -68,7 +68,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t ro
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(p.y + (row + r) * p.n + col + 8 * v, acc[r][v]);
 }
 
-// Rows [row, m) by columns [c, end) in blocks of 8 * V columns and pairs of rows; returns where it stopped.
+// Rows [row0, m) by columns [c, end) in blocks of 8 * V columns and pairs of rows; returns where it stopped.
 template <int V>
 __attribute__((target("avx2,fma"))) int64_t blocks_avx2(const Problem& p, int64_t row0, int64_t c, int64_t end,
                                                         int64_t k0, int64_t k1) {

@@ -43,7 +43,7 @@ def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | N
           table_kinds: Container[int] | None = None) -> tuple[int, np.ndarray]:
     """This round's draft and its kind (0: none). A match of one token was right 18% of the time on the
     default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9 and
-    above about 80% (docs/benchmarks.md): the table takes over where the text offers only a 1-token
+    above about 80% (docs/benchmarks-history.md): the table takes over where the text offers only a 1-token
     match. `table_kinds`: the kinds of table draft to offer (None: all)."""
     n, found = lookup_match(np.asarray(text, np.int64), settings.ngram, settings.max_draft)
     if n < 2 and table is not None and settings.table:
@@ -80,7 +80,7 @@ class PromptLookup:
     def propose(self, committed: list[int], room: int) -> Proposal:
         kind, found = draft(committed, self.settings, self.table)
         # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
-        # 18% of the time, a 3-token one 63% (docs/benchmarks.md).
+        # 18% of the time, a 3-token one 63% (docs/benchmarks-history.md).
         k = self.policy.choose(min(room, len(found)), kind=kind) if len(found) else 0
         self.matched_rounds += 0 < kind < TABLE_KIND
         self.table_rounds += kind >= TABLE_KIND

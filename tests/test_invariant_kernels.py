@@ -137,7 +137,8 @@ def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     edge[0][0, 1, 2, 5] = np.nan  # a NaN score: query head 1, row 2
     edge[4][0, 1, 3, 7] = np.inf  # an Inf value: KV head 1, new row 3, for the rows that see it
     edge[5][0, 0, 4] = MIN  # row 4 sees no key
-    w, a = rng.standard_normal((70, 90)).astype(np.float32), rng.standard_normal((3, 70)).astype(np.float32)
+    # RowMatMul: three chunks of K, a whole panel and a partial one (45: 32 + 8 columns, then 5 scalar), 4 rows
+    w, a = rng.standard_normal((130, 109)).astype(np.float32), rng.standard_normal((4, 130)).astype(np.float32)
     np.savez(tmp_path / "in.npz", *inputs, *wide, *large, *odd, *edge, w=w, a=a)
     code = ("import sys, numpy as np; from tests.test_invariant_kernels import *;"
             "z = np.load(sys.argv[1]); i = [z[f'arr_{j}'] for j in range(30)];"

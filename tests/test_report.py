@@ -261,9 +261,10 @@ def test_parallel_builds_leave_both_artifacts_cached(checkpoints, tmp_path, monk
 
 
 def test_rows_take_turns_at_each_position(monkeypatch):
-    """Rows interleave prompt by prompt in a rotated order: none always first or always after the same
-    other row (what a row inherits from the one before it, caches and the box's drift, is spread)."""
-    calls: list[tuple[str, object]] = []
+    """Rows interleave prompt by prompt in a balanced order: over as many prompts as rows, each row runs
+    first once and right after each other row once (what a row inherits from the one before it, caches
+    and the box's drift, is spread over all of them)."""
+    calls: list[object] = []
 
     class Runner:
         def rewind(self, length: int) -> None:
@@ -273,15 +274,21 @@ def test_rows_take_turns_at_each_position(monkeypatch):
         tlm = Runner()
 
     def generate(art, prompt, **kw):
-        calls.append((prompt, kw["speculative"]))
+        calls.append(kw["speculative"])
         return prompt
 
     monkeypatch.setattr(report.runtime, "generate", generate)
-    rows = {"a": ("x", False), "b": ("x", True), "c": ("y", "lookahead")}
-    prompts = ["p0", "p1", "p2"]
+    rows = {"a": ("x", False), "b": ("x", True), "c": ("y", "lookahead"), "d": ("y", "draft")}
+    prompts = ["p0", "p1", "p2", "p3"]
     runs = report.run_all({"x": Art(), "y": Art()}, rows, prompts, None, warmup=0, repeats=1)
     assert {name: [r for _, r in got] for name, got in runs.items()} == {name: prompts for name in rows}
-    rounds = [[spd for _, spd in calls[i : i + 3]] for i in range(0, 9, 3)]
-    firsts = {r[0] for r in rounds}
-    assert firsts == {False, True, "lookahead"}  # each row first once
-    assert all(sorted(map(str, r)) == sorted(map(str, (False, True, "lookahead"))) for r in rounds)
+    rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
+    pairs = [(r[j], r[j + 1]) for r in rounds for j in range(3)]
+    assert len({r[0] for r in rounds}) == 4 and len(set(pairs)) == len(pairs) == 12
+    rotated = [[(s + i) % 4 for s in range(4)] for i in range(4)]  # negative control: a plain rotation
+    assert len({(o[j], o[j + 1]) for o in rotated for j in range(3)}) < 12
+    for n in (2, 3, 5, 6):  # odd n: balanced over 2n rounds
+        orders = [report.round_order(n, i) for i in range(2 * n)]
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        follows = {(o[j], o[j + 1]) for o in orders for j in range(n - 1)}
+        assert len(follows) == n * (n - 1)

@@ -85,6 +85,18 @@ def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[on
     return model, layers * per_weight
 
 
+def _session(path: Path, threads: int | None, library: Path | None, kind: str) -> ort.InferenceSession:
+    """A session whose pool stops spinning when its call returns, so that alternated sessions do not slow
+    each other; a baseline library that cannot run `kind` (older than its op) is named, not a raw error."""
+    try:
+        return ort.InferenceSession(str(path), spin_within_calls(session_options(threads, library)),
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types, none shared with Python's
+        if library is None:
+            raise
+        raise SystemExit(f"--baseline {library}: cannot run kind {kind!r} (a library older than its op?): {e}") from e
+
+
 def _time(session: ort.InferenceSession, x: np.ndarray, calls: int) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -123,9 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                 model, nbytes = stack(kind, args.layers, args.columns, layout)
                 path = Path(tmp) / f"{kind.replace(' ', '_')}_{name}.onnx"
                 onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
-                # pools that stop spinning when their call returns, so that alternated sessions do not slow each other
-                sessions[name] = ort.InferenceSession(str(path), spin_within_calls(session_options(args.threads, lib)),
-                                                      providers=["CPUExecutionProvider"])
+                sessions[name] = _session(path, args.threads, lib, kind)
             runs[kind] = (sessions, nbytes)
         for kind, (sessions, nbytes) in runs.items():
             ms: dict[str, dict[int, float]] = {name: {} for name in sessions}

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import onnxruntime as ort
@@ -96,6 +97,8 @@ def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, war
 def round_order(n: int, i: int) -> list[int]:
     """Round i's order of n configurations, a Williams design: over n rounds each comes first once and
     right after each other one once (for odd n over 2n rounds, the second n mirrored)."""
+    if n == 0:
+        return []
     first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
     order = [(s + i) % n for s in first]
     return order[::-1] if (i // n) % 2 else order
@@ -128,6 +131,37 @@ def summarize(runs: list) -> dict:
         row["dlm_step_ms"] = 1000 * sum(sp["drafting_rounds_draft_s"] for sp in spec) / drafted if drafted else None
         row["host_ms_per_round"] = 1000 * sum(sp["host_s"] for sp in spec) / steps
     return row
+
+
+def _t_quantile(p: float, df: int) -> float:
+    """Student's t quantile, by its Cornish-Fisher expansion in 1/df: within 0.2% of the exact value
+    from df = 3 on (tests check it against scipy, which a report does not need installed)."""
+    z = NormalDist().inv_cdf(p)
+    terms = ((z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160)
+    return z + sum(t / df ** (i + 1) for i, t in enumerate(terms))
+
+
+def _decode_rate(result) -> float | None:
+    """Tokens per second after the first token, or None for a generation with nothing to time."""
+    m = result.metrics
+    return (m.new_tokens - 1) / m.decode_s if m.new_tokens > 1 and m.decode_s > 0 else None
+
+
+def paired_ratio(runs: list, baseline: list) -> dict | None:
+    """A row's decode speed over its baseline's, generation by generation: both ran the same prompt in
+    the same round, so each pair's ratio is free of what the prompt asks and of the box's slow drifts.
+    The geometric mean of those ratios and its 95% t interval (None under 4 pairs): on this noisy box one
+    row's pooled figure moves by several percent run to run, so a row is below a gate (0.97x its
+    baseline, say) only where its whole interval is."""
+    rates = [(_decode_rate(r), _decode_rate(b)) for (_, r), (_, b) in zip(runs, baseline, strict=True)]
+    logs = [np.log(r / b) for r, b in rates if r and b]
+    if len(logs) < 4:
+        return None
+    mean = float(np.mean(logs))
+    half = _t_quantile(0.975, len(logs) - 1) * float(np.std(logs, ddof=1)) / len(logs) ** 0.5
+    return {"ratio": float(np.exp(mean)), "low": float(np.exp(mean - half)), "high": float(np.exp(mean + half)),
+            "pairs": len(logs)}
 
 
 def greedy_equal(runs: dict, rows: dict) -> dict[str, list[bool]]:
@@ -176,14 +210,17 @@ def markdown(report: dict) -> str:
     lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM call (scoring "
               "k+1 tokens, or a plain step when the policy does not draft), k DLM steps and host work; a drafting "
               "round yields `mean accepted` tokens where autoregressive decoding spends one TLM step per token.", "",
-              "| configuration | AR ms per token | TLM call per round | call / AR token | DLM step | host per round |",
-              "|---|---|---|---|---|---|"]
+              "| configuration | AR ms per token | TLM call per round | call / AR token | DLM step | host per round "
+              "| vs its AR, paired [95% interval] |",
+              "|---|---|---|---|---|---|---|"]
     for name in report["greedy_spd_equals_ar"]:  # the speculative rows
         ar = "baseline" if name == "SpD" else "MXFP6"
         s, step = rows[name], 1000 / rows[ar]["decode_tokens_per_s"]
         dlm = "-" if s["dlm_step_ms"] is None else f"{s['dlm_step_ms']:.2f}"  # nothing drafted
+        v = s.get("vs_own_ar")
+        paired = "-" if v is None else f"{v['ratio']:.2f}x [{v['low']:.2f}, {v['high']:.2f}]"
         lines.append(f"| {name} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
-                     f"{dlm} | {s['host_ms_per_round']:.2f} |")
+                     f"{dlm} | {s['host_ms_per_round']:.2f} | {paired} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
               f"model's matrix weights) over the measured read bandwidth, {meta['read_bandwidth_gb_per_s']:.1f} GB/s "
               f"({meta['machine']['gpu'] or 'the CPU'}, benchmarks/bandwidth.py).", "",
@@ -297,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         row["weights_read_mb_per_token"] = (row["tlm_calls_per_token"] * per_call[which, "tlm"]
                                             + row["dlm_calls_per_token"] * per_call[which, "dlm"])
         row["floor_tokens_per_s"] = bandwidth * 1e3 / row["weights_read_mb_per_token"]
+    for name, (which, spd) in rows_of.items():  # each speculative row against its own artifact's AR row
+        if spd is not False:
+            rows[name]["vs_own_ar"] = paired_ratio(runs[name], runs[AUTOREGRESSIVE[which]])
     report = {"meta": metadata(recipe, arts, args) | {"read_bandwidth_gb_per_s": bandwidth}, "status": "measured",
               "configs": rows,
               "greedy_spd_equals_ar": greedy_equal(runs, rows_of),

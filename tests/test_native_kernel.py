@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -333,3 +334,7 @@ def test_matmul_rows_compares_two_builds_on_the_same_values(capsys):
         with pytest.raises(SystemExit):
             matmul_rows([*common, *bad])
         assert message in capsys.readouterr().err
+    # a shared library without mxspd's ops (as one older than an op is for it): named, not a raw error
+    other = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_shared.so"
+    with pytest.raises(SystemExit, match=f"--baseline {other}: cannot run kind 'float32 row'"):
+        matmul_rows([*common, "--kinds", "float32 row", "--columns", "32", "--baseline", str(other)])

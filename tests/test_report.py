@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from benchmarks import report
 
@@ -62,6 +65,7 @@ def test_report_measures_figure_7_and_the_draft_free_methods(checkpoints, tmp_pa
     assert all(table["0"] > 0 and len(table) > 1 for table in costs.values())
     md = (out / "report.md").read_text()
     assert "| MXFP6 + SpD |" in md and "Where the time goes" in md and "Bandwidth floor" in md
+    assert "vs its AR, paired" in md and rows["SpD"]["vs_own_ar"] is None  # 2 prompts: too few pairs
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -292,3 +296,37 @@ def test_rows_take_turns_at_each_position(monkeypatch):
         assert all(sorted(o) == list(range(n)) for o in orders)
         follows = {(o[j], o[j + 1]) for o in orders for j in range(n - 1)}
         assert len(follows) == n * (n - 1)
+    assert report.round_order(0, 3) == [] and report.round_order(1, 3) == [0]
+
+
+def test_t_quantile_matches_scipy():
+    for df in range(3, 61):
+        assert report._t_quantile(0.975, df) == pytest.approx(stats.t.ppf(0.975, df), rel=2e-3)
+
+
+def _generations(rates: np.ndarray) -> list:
+    """(prompt, result) pairs as run_all makes them, 101 tokens each, decoding at `rates` tokens/s."""
+    return [(i, SimpleNamespace(metrics=SimpleNamespace(new_tokens=101, decode_s=100 / r)))
+            for i, r in enumerate(rates)]
+
+
+def _covered(rng, truth: float, pairs: int, sd: float) -> bool:
+    base = 80 * np.exp(rng.normal(0, 0.2, pairs))  # prompts differ far more than the noise
+    v = report.paired_ratio(_generations(base * truth * np.exp(rng.normal(0, sd, pairs))), _generations(base))
+    return v["low"] <= truth <= v["high"]
+
+
+def test_paired_ratio_interval_covers_95_percent_and_finds_a_slow_row(monkeypatch):
+    """The interval holds the true ratio 95% of the time at 8 pairs (a binomial test over 2,000 simulated
+    reports); the normal quantile's interval, 9% of the time too narrow at 8 pairs, fails that test;
+    a row truly at 0.90x with 3% noise lies wholly below 0.97x, and one at 1.00x does not."""
+    rng = np.random.default_rng(0)
+    n = 2000
+    slow = report.paired_ratio(_generations(80 * 0.90 * np.exp(rng.normal(0, 0.03, 8))), _generations(np.full(8, 80.0)))
+    even = report.paired_ratio(_generations(80 * np.exp(rng.normal(0, 0.03, 8))), _generations(np.full(8, 80.0)))
+    assert slow["high"] < 0.97 and even["high"] >= 0.97 and slow["pairs"] == even["pairs"] == 8
+    assert report.paired_ratio(_generations(np.ones(3)), _generations(np.ones(3))) is None  # under 4 pairs
+    hits = sum(_covered(rng, 0.97, 8, 0.05) for _ in range(n))
+    assert stats.binomtest(hits, n, 0.95).pvalue > 1e-3
+    monkeypatch.setattr(report, "_t_quantile", lambda p, df: stats.norm.ppf(p))  # negative control
+    assert stats.binomtest(sum(_covered(rng, 0.97, 8, 0.05) for _ in range(n)), n, 0.95).pvalue < 1e-3

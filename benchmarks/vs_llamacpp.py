@@ -20,7 +20,8 @@ recipe's prompts one after another, each system's decode speed their tokens over
 greedy, the same thread count; runs alternate between systems. Prints per system:
 decode tokens/s of every run and their median, prefill ms, the ratio to llama.cpp Q6_K (and to each
 F32), the weight bytes read per token with the floor they imply at the measured read bandwidth,
-whether the greedy text equals the system's own float32 text, and PSS after loading and generating
+whether the greedy text equals the system's own float32 text (`compared_with` names the system
+compared: for a speculating engine its autoregressive self), and PSS after loading and generating
 (each system alone in a fresh process).
 """
 
@@ -241,6 +242,9 @@ def main() -> None:
         report["systems"][system] = {
             "decode_tokens_per_s": speed[system], "median": med, "prefill_ms": prefill[system],
             f"vs_llama.cpp_{REFERENCE}": round(med / ref, 3) if ref else None,
+            # the system the next two figures compare with: its own float32, or for a speculating
+            # engine its autoregressive self (genai without its fp32 build: ours)
+            "compared_with": own_f32,
             "vs_own_f32": round(med / float(np.median(speed[own_f32])), 3),
             "weights_read_per_token_MB": round(mb, 1), "floor_tokens_per_s": round(gbs * 1e3 / mb, 1),
             "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),

@@ -150,7 +150,7 @@ def _decode_rate(result) -> float | None:
 
 def paired_ratio(runs: list, baseline: list) -> dict | None:
     """A row's decode speed over its baseline's, generation by generation: both ran the same prompt in
-    the same round, so each pair's ratio is free of what the prompt asks and of the box's slow drifts.
+    the same round, so each pair's ratio is free of what the prompt asks and of the box's drift between rounds.
     The geometric mean of those ratios and its 95% t interval (None under 4 pairs): on this noisy box one
     row's pooled figure moves by several percent run to run, so a row is below a gate (0.97x its
     baseline, say) only where its whole interval is."""

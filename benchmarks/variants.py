@@ -4,9 +4,12 @@ and a copy of an artifact without its stored prepacked weights, to measure what 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
+import tokenize
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,14 +36,30 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_CODE = ("common", "export", "quant", "compiler", "kernels")  # the packages whose code writes an artifact
 
 
+# C++ comments, and the string and character literals a comment marker may sit in (kept as they are)
+_CPP_COMMENT = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def _code(f: Path) -> bytes:
+    """A source file without its comments and blank lines: what an edit of the notes alone leaves the same
+    (so it does not force a rebuild of every cached benchmark artifact). Docstrings count: Python keeps them."""
+    text = f.read_text()
+    if f.suffix == ".py":
+        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+        return repr([(t.type, "" if t.type == tokenize.NEWLINE else t.string)  # "\n", or "" at the end
+                     for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL)]).encode()
+    code = _CPP_COMMENT.sub(lambda m: m.group() if m.group()[0] in "\"'" else " ", text)
+    return "\n".join(line.rstrip() for line in code.splitlines() if line.strip()).encode()
+
+
 def build_code_digest(root: Path = REPO_ROOT) -> str:
-    """A digest of the source of the stages that write an artifact: a cached build made by other code (a
+    """A digest of the code of the stages that write an artifact: a cached build made by other code (a
     quantizer fix changes the bytes, not the format version) is not reused. The kernels' C++ counts too:
     the compiler times each graph with them, and the runtime's speculation policy reads those costs."""
     digest = hashlib.sha256()
     for package in BUILD_CODE:
         for f in sorted(f for f in (root / package).rglob("*") if f.suffix in (".py", ".cc", ".h")):
-            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + _code(f) + b"\0")
     return digest.hexdigest()[:16]
 
 

@@ -184,10 +184,18 @@ def test_build_code_digest_follows_python_and_kernel_sources_only(tmp_path):
     (tmp_path / "kernels" / "_lib.so").write_bytes(b"built")  # a build output, not source
     (tmp_path / "README.md").write_text("docs")
     assert build_code_digest(tmp_path) == first
-    for changed in (tmp_path / "kernels" / "op.cc", tmp_path / "quant" / "q.py"):
+    cc, py = tmp_path / "kernels" / "op.cc", tmp_path / "quant" / "q.py"
+    # notes alone (comments, blank lines, trailing blanks) leave it: no rebuild of cached artifacts
+    cc.write_text("// why f\nint f() { return 1; }  /* one,\n   always */\n\n")
+    py.write_text("# why X\nX = 1  # one\n\n")
+    assert build_code_digest(tmp_path) == first
+    # code changes it, a comment marker inside a literal and a docstring included
+    for changed, edit in ((cc, 'const char* s = "a // b";'), (cc, 'const char* s = "a // c";'),
+                          (cc, "char c = '/';"), (py, "Y = 2"), (py, "def g():\n    \"\"\"Why g.\"\"\""),
+                          (py, "def g():\n    \"\"\"Why not g.\"\"\"")):
         before = build_code_digest(tmp_path)
-        changed.write_text(changed.read_text() + " ")
-        assert build_code_digest(tmp_path) != before
+        changed.write_text(changed.read_text() + "\n" + edit + "\n")
+        assert build_code_digest(tmp_path) != before, edit
 
 
 def test_export_cli_sets_or_drops_the_calibration_text(checkpoints, tmp_path, capsys):

@@ -29,13 +29,13 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 import onnxruntime as ort
 
 import runtime
 from benchmarks.bandwidth import cpu_name, gpu_name, gpu_read_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.intervals import geometric_mean_interval
 from benchmarks.memory import weights_file_mib
 from benchmarks.variants import build_cached, variant
 from common.recipe import TARGETS
@@ -133,15 +133,6 @@ def summarize(runs: list) -> dict:
     return row
 
 
-def _t_quantile(p: float, df: int) -> float:
-    """Student's t quantile, by its Cornish-Fisher expansion in 1/df: within 0.2% of the exact value
-    from df = 3 on (tests check it against scipy, which a report does not need installed)."""
-    z = NormalDist().inv_cdf(p)
-    terms = ((z**3 + z) / 4, (5 * z**5 + 16 * z**3 + 3 * z) / 96, (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
-             (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160)
-    return z + sum(t / df ** (i + 1) for i, t in enumerate(terms))
-
-
 def _decode_rate(result) -> float | None:
     """Tokens per second after the first token, or None for a generation with nothing to time."""
     m = result.metrics
@@ -155,13 +146,9 @@ def paired_ratio(runs: list, baseline: list) -> dict | None:
     row's pooled figure moves by several percent run to run, so a row is below a gate (0.97x its
     baseline, say) only where its whole interval is."""
     rates = [(_decode_rate(r), _decode_rate(b)) for (_, r), (_, b) in zip(runs, baseline, strict=True)]
-    logs = [np.log(r / b) for r, b in rates if r and b]
-    if len(logs) < 4:
-        return None
-    mean = float(np.mean(logs))
-    half = _t_quantile(0.975, len(logs) - 1) * float(np.std(logs, ddof=1)) / len(logs) ** 0.5
-    return {"ratio": float(np.exp(mean)), "low": float(np.exp(mean - half)), "high": float(np.exp(mean + half)),
-            "pairs": len(logs)}
+    if interval := geometric_mean_interval([float(np.log(r / b)) for r, b in rates if r and b]):
+        interval["pairs"] = interval.pop("samples")
+    return interval
 
 
 def greedy_equal(runs: dict, rows: dict) -> dict[str, list[bool]]:

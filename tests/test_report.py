@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from benchmarks import report
+from benchmarks import intervals, report
 
 
 def write_recipe(path, tlm: str, dlm: str | None) -> str:
@@ -299,11 +299,6 @@ def test_rows_take_turns_at_each_position(monkeypatch):
     assert report.round_order(0, 3) == [] and report.round_order(1, 3) == [0]
 
 
-def test_t_quantile_matches_scipy():
-    for df in range(3, 61):
-        assert report._t_quantile(0.975, df) == pytest.approx(stats.t.ppf(0.975, df), rel=2e-3)
-
-
 def _generations(rates: np.ndarray) -> list:
     """(prompt, result) pairs as run_all makes them, 101 tokens each, decoding at `rates` tokens/s."""
     return [(i, SimpleNamespace(metrics=SimpleNamespace(new_tokens=101, decode_s=100 / r)))
@@ -328,5 +323,28 @@ def test_paired_ratio_interval_covers_95_percent_and_finds_a_slow_row(monkeypatc
     assert report.paired_ratio(_generations(np.ones(3)), _generations(np.ones(3))) is None  # under 4 pairs
     hits = sum(_covered(rng, 0.97, 8, 0.05) for _ in range(n))
     assert stats.binomtest(hits, n, 0.95).pvalue > 1e-3
-    monkeypatch.setattr(report, "_t_quantile", lambda p, df: stats.norm.ppf(p))  # negative control
+    monkeypatch.setattr(intervals, "t_quantile", lambda p, df: stats.norm.ppf(p))  # negative control
     assert stats.binomtest(sum(_covered(rng, 0.97, 8, 0.05) for _ in range(n)), n, 0.95).pvalue < 1e-3
+
+
+def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp_path, capsys):
+    """Every scored row carries a batch-means interval around its exact perplexity ratio; the gate
+    judges the recipe as shipped where that build is among the configs, else the exact one."""
+    import json
+
+    from benchmarks.accuracy import CONFIGS, config_recipe, main
+    from recipes import get_recipe
+
+    chat = get_recipe("smollm2-135m-chat")
+    assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8"]).tlm == chat.tlm
+    assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8 +nearest"]).tlm != chat.tlm
+    code = main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32,fp6_e2m3 exact spec", "--tokens", "1100",
+                 "--answer-tokens", "4", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "tiny-stdlib-spd" / "accuracy.json").read_text())
+    fp32, mx = report["rows"][:2]
+    assert fp32["ppl_ratio"] == 1.0 and fp32["ppl_interval"]["samples"] == 4
+    v = mx["ppl_interval"]
+    assert v["low"] < mx["ppl_ratio"] < v["high"] and v["ratio"] == pytest.approx(mx["ppl_ratio"], rel=1e-9)
+    assert not mx["shipped"] and report["meta"]["gate"].startswith("fp6_e2m3 exact")  # tiny ships fused
+    assert code == (0 if mx["ppl_ratio"] <= 1.01 else 1)
+    assert f"[{v['low']:.4f}, {v['high']:.4f}]" in capsys.readouterr().out

@@ -151,6 +151,10 @@ def paired_ratio(runs: list, baseline: list) -> dict | None:
     return interval
 
 
+def _paired_text(v: dict | None) -> str:
+    return "-" if v is None else f"{v['ratio']:.2f}x [{v['low']:.2f}, {v['high']:.2f}]"
+
+
 def greedy_equal(runs: dict, rows: dict) -> dict[str, list[bool]]:
     """Per speculative configuration and prompt: are its greedy tokens exactly those of greedy AR on
     the same compiled TLM?"""
@@ -187,12 +191,14 @@ def markdown(report: dict) -> str:
              f"new tokens; ONNX Runtime {meta['onnxruntime']} ({meta['provider']}), "
              f"{meta['machine']['gpu'] or str(meta['machine']['cores']) + ' cores'}.",
              "",
-             "| configuration | decode tok/s | speedup | e2e tok/s | TTFT ms | acceptance | mean accepted | PSS MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| configuration | decode tok/s | speedup | paired [95% interval] | e2e tok/s | TTFT ms | acceptance "
+             "| mean accepted | PSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
         mal = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
-        lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['e2e_tokens_per_s']:.1f} | "
+        lines.append(f"| {name} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{_paired_text(r.get('speedup_paired'))} | {r['e2e_tokens_per_s']:.1f} | "
                      f"{r['ttft_ms']:.1f} | {acc} | {mal} | {'-' if r['pss_mib'] is None else round(r['pss_mib'])} |")
     lines += ["", "Where the time goes (ms, pooled over prompts): a speculative round is one TLM call (scoring "
               "k+1 tokens, or a plain step when the policy does not draft), k DLM steps and host work; a drafting "
@@ -204,8 +210,7 @@ def markdown(report: dict) -> str:
         ar = "baseline" if name == "SpD" else "MXFP6"
         s, step = rows[name], 1000 / rows[ar]["decode_tokens_per_s"]
         dlm = "-" if s["dlm_step_ms"] is None else f"{s['dlm_step_ms']:.2f}"  # nothing drafted
-        v = s.get("vs_own_ar")
-        paired = "-" if v is None else f"{v['ratio']:.2f}x [{v['low']:.2f}, {v['high']:.2f}]"
+        paired = _paired_text(s.get("vs_own_ar"))
         lines.append(f"| {name} | {step:.2f} | {s['tlm_score_ms']:.2f} | {s['tlm_score_ms'] / step:.2f} | "
                      f"{dlm} | {s['host_ms_per_round']:.2f} | {paired} |")
     lines += ["", f"Bandwidth floor: weights read per decoded token (every TLM and DLM call reads all of its "
@@ -317,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         which = rows_of[name][0]
         row["speedup"] = row["decode_tokens_per_s"] / rows["baseline"]["decode_tokens_per_s"]
+        row["speedup_paired"] = paired_ratio(runs[name], runs["baseline"]) if name != "baseline" else None
         row["pss_mib"] = memory[which]["pss_after_generate_mib"]
         row["weights_read_mb_per_token"] = (row["tlm_calls_per_token"] * per_call[which, "tlm"]
                                             + row["dlm_calls_per_token"] * per_call[which, "dlm"])

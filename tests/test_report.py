@@ -66,6 +66,7 @@ def test_report_measures_figure_7_and_the_draft_free_methods(checkpoints, tmp_pa
     md = (out / "report.md").read_text()
     assert "| MXFP6 + SpD |" in md and "Where the time goes" in md and "Bandwidth floor" in md
     assert "vs its AR, paired" in md and rows["SpD"]["vs_own_ar"] is None  # 2 prompts: too few pairs
+    assert rows["baseline"]["speedup_paired"] is None and rows["MXFP6"]["speedup_paired"] is None
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -63,8 +63,9 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
-# Tokens per block of the perplexity ratio's batch-means interval: a licence repeats its phrases within a
-# few hundred tokens, and 256 leaves 8 blocks in 2,048 tokens (docs/benchmarks.md, Accuracy).
+# Tokens per block of the perplexity ratio's batch-means interval: on GPL-3 the per-token differences'
+# correlation is gone within 10 tokens and blocks of 64-1,024 give the same interval to 0.001; 256
+# leaves 8 blocks in 2,048 tokens (docs/benchmarks.md, Accuracy).
 BLOCK = 256
 
 

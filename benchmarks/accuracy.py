@@ -46,6 +46,7 @@ ALL_INT8 = {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}  # every decode
 # down projection, the last layer and the head.
 SENSITIVE8 = {"mx_int8": ("lm_head", "self_attn", "down_proj", "layers.29."), "mx_lm_head": False}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
+FLOAT_EMBEDDING = {"mx_embedding": False}  # and store the embedding table MXINT8 where the recipe does
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
@@ -59,6 +60,8 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp6_e2m3 native min_error +sensitive8": ("fp6_e2m3", "native", "min_error", SENSITIVE8),
     "fp6_e2m3 native min_error +sensitive8 +nearest": ("fp6_e2m3", "native", "min_error",
                                                        SENSITIVE8 | ROUND_TO_NEAREST),
+    "fp6_e2m3 native min_error +sensitive8 +float_embedding": ("fp6_e2m3", "native", "min_error",
+                                                               SENSITIVE8 | FLOAT_EMBEDDING),
     "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", PLAIN),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}

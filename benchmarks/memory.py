@@ -1,12 +1,15 @@
 """Memory of a loaded artifact as proportional set size (PSS), against one copy of its weights.
 
-    python -m benchmarks.memory ARTIFACT [--heap-prepacked]
+    python -m benchmarks.memory ARTIFACT [--heap-prepacked] [--answers]
 
 PSS, not RSS: RSS counts a page of a shared file mapping once per mapping, PSS once. Checks that
 the graphs of one model (prefill, decode, score) do not each hold their own copy of the weights:
 PSS after load and after generating should stay near one prepacked copy plus the runtime's
 baseline. `--heap-prepacked` loads a copy of the artifact without its stored prepacked weights,
 so every session prepacks a private copy (the layout before build-time prepacking), for comparison.
+`--answers`: then also answer the artifact's recipe prompts (64 new tokens each) and report PSS after
+them, with the part that is the weights file's mapping: what a server's process grows to as it meets
+new tokens (each gathers its embedding row, and the kernel maps the pages around it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ def smaps_mib() -> dict[str, float]:
     return out
 
 
+def weights_mapping_pss_mib() -> float:
+    """PSS of this process's mappings of weights files, MiB (/proc/self/smaps)."""
+    total, mapped = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if not head[0].endswith(":"):  # a mapping's first line: address range, ..., path
+            mapped = head[-1].endswith("weights.bin")
+        elif mapped and head[0] == "Pss:":
+            total += int(head[1])
+    return total / 1024
+
+
 def weights_file_mib(art_dir: Path) -> dict[str, float]:
     """Each model's weights file, MiB."""
     return {p.parent.name: round(p.stat().st_size / 2**20, 1) for p in Path(art_dir).rglob("weights.bin")}
@@ -45,6 +60,12 @@ def main() -> None:
         loaded = smaps_mib()
         runtime.generate(art, [0, 5, 6, 7], max_new_tokens=16, speculative=False)
         after = smaps_mib()
+        answered = {}
+        if "--answers" in sys.argv:
+            for prompt in art.manifest.recipe.get("prompts", []):
+                runtime.generate(art, prompt, max_new_tokens=64, speculative=False)
+            answered = {"after_answers_mib": {k: round(v, 1) for k, v in smaps_mib().items()},
+                        "after_answers_weights_mapping_pss_mib": round(weights_mapping_pss_mib(), 1)}
     mib = {role: round(prepacked_bytes(art_dir, role) / 2**20, 1) for role in art.manifest.models}
     one_copy = sum(mib.values())
     print(json.dumps({
@@ -52,6 +73,7 @@ def main() -> None:
         "after_imports_mib": {k: round(v, 1) for k, v in base.items()},
         "after_load_mib": {k: round(v, 1) for k, v in loaded.items()},
         "after_generate_mib": {k: round(v, 1) for k, v in after.items()},
+        **answered,
         "prepacked_copy_mib": mib,
         "weights_file_mib": weights_file_mib(art_dir),
         "pss_growth_over_one_prepacked_copy": round((after["pss"] - base["pss"]) / one_copy, 3) if one_copy else None,

@@ -22,6 +22,8 @@ from typing import BinaryIO
 import onnx
 from onnx import numpy_helper
 
+from common.graph_io import INPUT_IDS
+
 INLINE_LIMIT = 1024  # bytes; smaller initializers stay inside the graph
 ALIGN = 4096
 
@@ -176,6 +178,12 @@ def _move_prepacked(value: str, src: Path, shared: SharedFile) -> str:
 def matmul_weights(graph: onnx.GraphProto) -> set[str]:
     """Names read as the weight (second input) of a MatMul: the weights MX passes may quantize."""
     return {n.input[1] for n in graph.node if n.op_type == "MatMul"}
+
+
+def embedding_tables(graph: onnx.GraphProto) -> set[str]:
+    """Tensors whose rows a Gather picks by the graph's input ids: the token embedding tables."""
+    return {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[1] == INPUT_IDS
+            and all(a.i == 0 for a in n.attribute if a.name == "axis")}
 
 
 def rewrite_graph(graph: onnx.GraphProto, initializers: list[onnx.TensorProto], first: list[onnx.NodeProto]) -> None:

@@ -49,6 +49,9 @@ class ModelSpec:
     # quant/error_feedback.py): builtin:NAME (recipes/builtin/NAME.txt) or a path; "": round to nearest.
     mx_calibration: str = ""
     mx_calibration_tokens: int = 2048
+    # The token embedding table in MXINT8 too (8.25 bits per weight; gathered row by row, then
+    # dequantized): in float32 it is the largest tensor of a small model's artifact.
+    mx_embedding: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class Recipe:
 def with_mx_format(spec: ModelSpec, mx_format: str | None) -> ModelSpec:
     """`spec` in another MX format; None (float weights) drops the settings that only MX weights have."""
     if mx_format is None:
-        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False, mx_calibration="")
+        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False, mx_calibration="", mx_embedding=False)
     return replace(spec, mx_format=mx_format)
 
 
@@ -210,8 +213,9 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
-    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head or spec.mx_calibration):
-        raise RecipeError(f"{where}: mx_int8, mx_lm_head and mx_calibration need mx_format (MX weights) to be set")
+    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head or spec.mx_calibration or spec.mx_embedding):
+        raise RecipeError(f"{where}: mx_int8, mx_lm_head, mx_calibration and mx_embedding need mx_format (MX weights) "
+                          "to be set")
     if spec.mx_calibration_tokens < MIN_CALIBRATION_TOKENS:
         raise RecipeError(f"{where}.mx_calibration_tokens: must be >= {MIN_CALIBRATION_TOKENS}, "
                           f"got {spec.mx_calibration_tokens}")

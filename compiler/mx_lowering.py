@@ -24,6 +24,11 @@ optimises, so the artifact stays small). Then:
 MXINT8 weights (a recipe's `mx_int8`: INT8 codes whose stored exponent already holds the 2^-6) take
 every lowering too: exact (Cast and scale), fused (MatMulNBits, codes + 128) and native (MXMatMul
 with weight_bits = 8: 32 code bytes and one exponent byte per 32 weights, 8.25 bits).
+
+An MXINT8 embedding table (`mx_embedding`: [V, K] blocked along K, read by a Gather of token ids) is
+lowered alike in every lowering: the Gather picks the rows' int8 codes and exponent bytes, and only
+those rows are dequantized (a Cast, the scale table, a Mul), so the artifact never holds the table in
+float32 (_lower_gathered).
 """
 
 from __future__ import annotations
@@ -128,12 +133,10 @@ def _scale_table(divisor: float) -> np.ndarray:
     return table.astype(np.float32)
 
 
-def _scales(b: _Builder, prefix: str, exponents: np.ndarray, divisor: float) -> str:
-    """E8M0 bytes stored as uint8; unpacked to float32 2^(e-127) / divisor through a 256-entry table."""
-    table = _scale_table(divisor)
-    stored = b.const(prefix + ".e8m0", exponents)
-    idx = b.node("Cast", [stored], prefix + ".e8m0_i32", to=onnx.TensorProto.INT32)
-    return b.node("Gather", [b.const(f"mx.scale_table_{int(divisor)}", table), idx], prefix + ".scale")
+def _scales(b: _Builder, prefix: str, exponents: str, divisor: float) -> str:
+    """E8M0 bytes (a uint8 tensor) to float32 2^(e-127) / divisor through a 256-entry table."""
+    idx = b.node("Cast", [exponents], prefix + ".e8m0_i32", to=onnx.TensorProto.INT32)
+    return b.node("Gather", [b.const(f"mx.scale_table_{int(divisor)}", _scale_table(divisor)), idx], prefix + ".scale")
 
 
 def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.ndarray) -> None:
@@ -146,14 +149,42 @@ def _lower_exact(b: _Builder, name: str, fmt: str, codes: np.ndarray, exps: np.n
         values = b.node("Cast", [stored], name + ".unpacked", to=onnx.TensorProto.FLOAT)
     else:
         values = _unpack(b, name, padded, element_values(fmt), f"mx.values_{fmt}", [kb, BLOCK, n])
-    scale = b.node("Reshape", [_scales(b, name, exps, 1.0), b.const(name + ".scale_shape", np.array([kb, 1, n]))],
-                   name + ".scale3")
+    scale = b.node("Reshape", [_scales(b, name, b.const(name + ".e8m0", exps), 1.0),
+                               b.const(name + ".scale_shape", np.array([kb, 1, n]))], name + ".scale3")
     w = b.node("Mul", [values, scale], name + ".blocks")
     if kb * BLOCK == k:
         b.node("Reshape", [w, b.const(name + ".kn", np.array([k, n]))], name)
     else:
         full = b.node("Reshape", [w, b.const(name + ".kn", np.array([kb * BLOCK, n]))], name + ".padded")
         b.node("Slice", [full, b.const("mx.zero", np.array([0])), b.const(name + ".k", np.array([k]))], name)
+
+
+def _lower_gathered(b: _Builder, name: str, load: Callable[[], tuple[np.ndarray, np.ndarray]],
+                    gathers: list[onnx.NodeProto]) -> None:
+    """An MXINT8 embedding table [V, K] read by Gathers of token ids, in any lowering: each Gather picks
+    its rows' int8 codes and E8M0 bytes, and only those are dequantized (a decode step reads one row;
+    folding the whole table to float32 would put it back at 4 bytes per weight)."""
+    codes, exps = load()
+    v, k = codes.shape
+    kb = exps.shape[1]
+    padded = np.zeros((v, kb * BLOCK), dtype=np.int8)
+    padded[:, :k] = codes
+    rows = b.const(name + ".rows_int8", padded.reshape(v, kb, BLOCK))
+    row_exps = b.const(name + ".rows_e8m0", exps)
+    for g in gathers:
+        out, ids = g.output[0], g.input[1]
+        values = b.node("Cast", [b.node("Gather", [rows, ids], out + ".codes")], out + ".values",
+                        to=onnx.TensorProto.FLOAT)
+        scale = _scales(b, out, b.node("Gather", [row_exps, ids], out + ".e8m0"), 1.0)
+        blocks = b.node("Mul", [values, b.node("Unsqueeze", [scale, b.const("mx.last_axis", np.array([-1]))],
+                                               out + ".scale1")], out + ".blocks")
+        shape = b.node("Concat", [b.node("Shape", [ids], out + ".ids_shape"), b.const(name + ".k_padded",
+                                                                                       np.array([kb * BLOCK]))],
+                       out + ".shape", axis=0)
+        flat = b.node("Reshape", [blocks, shape], out if kb * BLOCK == k else out + ".padded")
+        if kb * BLOCK != k:
+            b.node("Slice", [flat, b.const("mx.zero", np.array([0])), b.const(name + ".k", np.array([k])),
+                             b.const("mx.last_axis", np.array([-1]))], out)
 
 
 def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
@@ -221,7 +252,8 @@ def _source(t: onnx.TensorProto) -> tuple | None:
 
 def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.raw_data,
                 store: Store = lambda t: t, memo: Memo | None = None) -> dict[str, str]:
-    """Replace every MX DequantizeLinear in `model` (in place); returns {weight name: format}.
+    """Replace every MX DequantizeLinear in `model` (in place); returns {weight name: format} of the
+    matmul weights (an MXINT8 embedding table is lowered too, by _lower_gathered, but not listed).
 
     One weight at a time: `read` gives an MX initializer's bytes (the graph may be loaded without
     its external data) and `store` receives each new initializer as soon as it is made (for
@@ -239,6 +271,7 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
             consumers.setdefault(i, []).append(node)
     b = _Builder(graph, store, memo)
     lowered: dict[str, str] = {}
+    tables: list[str] = []  # embedding tables, gathered then dequantized: no kernel reads them
     dropped: set[str] = set()
     for node in list(graph.node):
         if node.op_type != "DequantizeLinear" or inits.get(node.input[0]) is None:
@@ -248,19 +281,28 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
             continue
         fmt = MX_TYPES[data.data_type]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("axis") != 0 or attrs.get("block_size") != BLOCK or len(data.dims) != 2:
-            raise LoweringError(f"{node.name}: only [K, N] weights blocked by {BLOCK} along K (axis 0) are lowered")
+        w = node.output[0]
+        users = consumers.get(w, [])
+        table = attrs.get("axis") == 1 and fmt == "int8" and bool(users) and all(
+            u.op_type == "Gather" and u.input[0] == w and _gather_axis(u) == 0 for u in users)
+        if attrs.get("axis") != (1 if table else 0) or attrs.get("block_size") != BLOCK or len(data.dims) != 2:
+            raise LoweringError(f"{node.name}: only [K, N] weights blocked by {BLOCK} along K (axis 0), and MXINT8 "
+                                "tables [V, K] blocked along K (axis 1) that Gathers read, are lowered")
         k, n = data.dims
         load = functools.cache(lambda data=data, scale=scale, fmt=fmt, k=k, n=n: _codes(read, data, scale, fmt, k, n))
-        w = node.output[0]
-        if lowering == "exact":
+        where = (_source(data), _source(scale))
+        if table:
+            b.source = ("gathered", *where) if None not in where else None
+            _lower_gathered(b, w, load, users)
+            for u in users:
+                graph.node.remove(u)
+            tables.append(w)
+        elif lowering == "exact":
             b.source = None
             _lower_exact(b, w, fmt, *load())
         else:
-            users = consumers.get(w, [])
             if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
                 raise LoweringError(f"weight {w!r}: the {lowering} lowering needs it to feed MatMul weights only")
-            where = (_source(data), _source(scale))
             layout = preferred_mx_layout() if lowering != "fused" else None
             b.source = ((lowering, layout, fmt, data.data_type, tuple(data.dims), tuple(scale.dims), *where)
                         if None not in where else None)
@@ -270,12 +312,17 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
                 _lower_native(b, w, fmt, k, n, load, users, NATIVE_ACTIVATION_BITS[lowering], layout)
         graph.node.remove(node)
         dropped |= {data.name, scale.name}
-        lowered[w] = fmt
-    if not lowered:
+        if not table:
+            lowered[w] = fmt
+    if not lowered and not tables:
         return lowered
     rewrite_graph(graph, [t for t in graph.initializer if t.name not in dropped], b.nodes)
     _restore_opset(model, KERNEL_OPS[lowering][0] if lowering in KERNEL_OPS else None)
     return lowered
+
+
+def _gather_axis(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
 def _codes(read: Read, data: onnx.TensorProto, scale: onnx.TensorProto, fmt: str, k: int, n: int

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from common import graph_io
 from common.graph_io import ModelDims
-from common.onnx_store import matmul_weights, rewrite_graph, save_graph, shared_file
+from common.onnx_store import embedding_tables, matmul_weights, rewrite_graph, save_graph, shared_file
 from export.split_attention import attention_function
 from export.weights import (
     KEEP_WEIGHTS,
@@ -206,8 +206,9 @@ def export_model(
               for key, tokens in tqdm(graph_tokens.items(), desc=f"trace {role}", disable=not progress)}
     refs = unique_refs(r for _, r in traced.values())
     matmul = set().union(*(matmul_weights(graph.graph) for graph, _ in traced.values()))
+    tables = set().union(*(embedding_tables(graph.graph) for graph, _ in traced.values()))
     with shared_file(out_dir / WEIGHTS_FILE) as shared:
-        stored = write_weights(refs, tensors, shared, passes, matmul, role.upper(), progress)
+        stored = write_weights(refs, tensors, shared, passes, matmul, tables, role.upper(), progress)
     for key, (graph, graph_refs) in traced.items():
         path = save_graph(attach_weights(graph, graph_refs, stored, passes), out_dir / f"{key}.onnx")
         onnx.checker.check_model(str(path), full_check=True)

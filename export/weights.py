@@ -34,7 +34,7 @@ TensorSource = Callable[[str], torch.Tensor]  # a state-dict key -> the tensor a
 class WeightPasses(Protocol):
     """What the exporter needs of the quant stage's passes (quant.onnx_pass.PassChain)."""
 
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]: ...
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]: ...
 
     def nodes(self, model: onnx.ModelProto, names: list[str]) -> list[onnx.NodeProto]: ...
 
@@ -44,7 +44,7 @@ class WeightPasses(Protocol):
 class KeepWeights:
     """No passes: every weight stored as read (float32)."""
 
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
         return [t]
 
     def nodes(self, model: onnx.ModelProto, names: list[str]) -> list[onnx.NodeProto]:
@@ -171,17 +171,19 @@ def write_weights(
     shared: SharedFile,
     passes: WeightPasses,
     matmul: set[str],
+    tables: set[str],
     role: str,
     progress: bool = True,
 ) -> dict[str, list[onnx.TensorProto]]:
     """Stream each weight through the passes into `shared`; returns weight name -> its stored
-    initializers (pointing into the file, or inline if small)."""
+    initializers (pointing into the file, or inline if small). `matmul`: the MatMul weights;
+    `tables`: the embedding tables (common.onnx_store)."""
     stored: dict[str, list[onnx.TensorProto]] = {}
     total = sum(4 * int(np.prod(r.shape)) for r in refs)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"weights {role}",
               disable=not progress) as bar:
         for i, ref in enumerate(refs):
-            tensors = passes.store(read_weight(ref, source, role), ref.name in matmul)
+            tensors = passes.store(read_weight(ref, source, role), ref.name in matmul, ref.name in tables)
             stored[ref.name] = [shared.external(t) for t in tensors]
             bar.update(4 * int(np.prod(ref.shape)))
             bar.set_postfix_str(f"{i + 1}/{len(refs)} tensors", refresh=False)

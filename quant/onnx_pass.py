@@ -5,11 +5,17 @@ head on request) is
 replaced by FLOAT6 codes [K, N] (packed 4 in 3 bytes), FLOAT8E8M0 scales [ceil(K/32), N] and a
 `DequantizeLinear(axis=0, block_size=32)` whose output keeps the weight's name, so the graph's
 consumers are untouched. This is the portable form (opset 28): ONNX Runtime cannot run FLOAT6,
-so the compiler lowers it per target. Embeddings and norms stay as they are.
+so the compiler lowers it per target. Norms stay as they are, and embeddings unless asked (below).
 
 Weights a recipe names as sensitive (`mx_int8`, "lm_head" among them) are MXINT8 instead: INT8
 codes k with value k * 2^-6 * 2^(e-127); the graph stores the exponent e - 6 (INT8_EXPONENT_SHIFT)
 so that a standard DequantizeLinear (k * scale) gives exactly the MX value.
+
+On request (`embedding`), the token embedding table E[V, K] (read by a Gather of the input ids) is
+MXINT8 too, blocked along K: INT8 codes [V, K], scales [V, ceil(K/32)], `DequantizeLinear(axis=1)`.
+In float32 it is the largest tensor of a small model's artifact (SmolLM2-135M: 113 MB beside 126 MB
+of MX weights), and a decode step reads one row of it, so the compiler gathers the row's codes and
+dequantizes only them.
 
 A pass works one weight at a time (`store`: the tensors that replace it) and then adds, to each
 graph, the nodes that turn the stored tensors back into the weight (`nodes`). The exporter streams
@@ -31,7 +37,7 @@ from onnx import helper, numpy_helper
 
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
-from common.onnx_store import default_opset, matmul_weights, rewrite_graph, set_default_opset
+from common.onnx_store import default_opset, embedding_tables, matmul_weights, rewrite_graph, set_default_opset
 from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
 from quant.mx import quantize
 from quant.packing import pack_fp6
@@ -54,6 +60,7 @@ class QuantSummary:
     rounding: str
     scale: str  # how block exponents were chosen (quant.mx.SCALE_CHOICES)
     lm_head: bool  # the LM head is quantized (in `format`, or MXINT8 if `int8` names it)
+    embedding: bool  # the token embedding table is MXINT8 (not counted in tensors, elements, bytes)
     int8: tuple[str, ...]  # name fragments of the weights stored MXINT8 instead of `format`
     int8_tensors: int
     calibration: str  # what the error feedback's input statistics came from ("": rounded to nearest)
@@ -84,6 +91,19 @@ def _int8_graph_form(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray,
     return codes.view(np.uint8), stored
 
 
+def embedding_tensors(name: str, table: np.ndarray, rounding: str, scale: str = "spec"
+                      ) -> tuple[onnx.TensorProto, onnx.TensorProto]:
+    """An embedding table E[V, K] as MXINT8 blocked along K, row by row: (codes [V, K], E8M0 scales
+    [V, ceil(K/32)]) in the graph form of _int8_graph_form."""
+    v, k = table.shape
+    t = quantize(table, "int8", axis=1, block_size=BLOCK, rounding=rounding, name=name, scale=scale)
+    codes, scales = _int8_graph_form(t.codes[:, :k], t.scales)
+    code_t = helper.make_tensor(name + CODES_SUFFIX, onnx.TensorProto.INT8, [v, k], codes.tobytes(), raw=True)
+    scale_t = helper.make_tensor(name + SCALES_SUFFIX, onnx.TensorProto.FLOAT8E8M0, list(scales.shape),
+                                 scales.tobytes(), raw=True)
+    return code_t, scale_t
+
+
 def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str, scale: str = "spec"
                ) -> tuple[onnx.TensorProto, onnx.TensorProto]:
     """Quantize W[K, N] along K into (codes [K, N], E8M0 scales [ceil(K/32), N]) initializers: FLOAT6
@@ -105,8 +125,9 @@ def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str, scale: str = "
 
 
 class WeightPass(Protocol):
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
-        """The tensors stored in place of weight `t` (`matmul`: it is a MatMul's weight input)."""
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
+        """The tensors stored in place of weight `t` (`matmul`: it is a MatMul's weight input;
+        `embedding`: the table a Gather of the input ids reads)."""
 
     def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
         """For the weights among `names` that this pass replaced, the nodes that rebuild them."""
@@ -124,10 +145,12 @@ class MXPass:
     `int8`: name fragments (e.g. "lm_head", "layers.0.", "down_proj") of the weights stored MXINT8
     instead of `fmt`; "lm_head" also selects the LM head. `hessians`, when set: each weight's input
     statistics (export/calibration.py), for rounding with error feedback (quant/error_feedback.py)
-    instead of to nearest, each dropped once used; `calibration` says where they came from."""
+    instead of to nearest, each dropped once used; `calibration` says where they came from.
+    `embedding`: the token embedding table too, MXINT8 rounded to nearest (it is gathered, not
+    multiplied, so error feedback has nothing to compensate with)."""
 
     def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
-                 scale: str = "spec", int8: tuple[str, ...] = ()) -> None:
+                 scale: str = "spec", int8: tuple[str, ...] = (), embedding: bool = False) -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
         self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
@@ -135,7 +158,9 @@ class MXPass:
         self.calibration = ""
         self._last: tuple[np.ndarray, np.ndarray] | None = None
         self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
+        self.embedding = embedding
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
+        self.tables: dict[str, tuple[str, str]] = {}  # embedding tables -> (codes, scales) names
         self.elements = self.stored_bytes = self.int8_tensors = 0
         self.matched: set[str] = set()  # the int8 fragments that selected a weight
 
@@ -145,16 +170,18 @@ class MXPass:
         self.matched |= hits
         return "int8" if hits else self.fmt
 
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
+        if embedding and self.embedding and not matmul:
+            codes, scales = embedding_tensors(t.name, _float_matrix(t), self.rounding, self.scale)
+            self.tables[t.name] = (codes.name, scales.name)
+            return [codes, scales]
         if not (matmul and selected(t.name, self.lm_head)):
             if matmul and t.name != LM_HEAD and len(t.dims) == 2 and min(t.dims) >= BLOCK:
                 # never leave a decoder weight in full precision because its name was not recognised
                 raise ValueError(f"MatMul weight {t.name!r} {list(t.dims)} is not a recognised decoder "
                                  "linear or LM head: refusing to leave it unquantized silently")
             return [t]
-        w = numpy_helper.to_array(t)
-        if w.ndim != 2 or w.dtype != np.float32:
-            raise ValueError(f"weight {t.name!r}: expected a float32 [K, N] matrix, got {w.dtype} {w.shape}")
+        w = _float_matrix(t)
         fmt = self.format_of(t.name)
         if self.hessians is not None:
             if t.name not in self.hessians:
@@ -175,9 +202,9 @@ class MXPass:
         return self._last[1]
 
     def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:
-        return [helper.make_node("DequantizeLinear", list(self.quantized[n]), [n], name=f"mx_dequant/{n}",
-                                 axis=0, block_size=BLOCK, output_dtype=onnx.TensorProto.FLOAT)
-                for n in names if n in self.quantized]
+        return [helper.make_node("DequantizeLinear", list(stored[n]), [n], name=f"mx_dequant/{n}",
+                                 axis=axis, block_size=BLOCK, output_dtype=onnx.TensorProto.FLOAT)
+                for n in names for stored, axis in ((self.quantized, 0), (self.tables, 1)) if n in stored]
 
     def finish(self, model: onnx.ModelProto) -> None:
         helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
@@ -185,18 +212,27 @@ class MXPass:
         set_default_opset(model, MX_OPSET)
 
     def summary(self) -> QuantSummary:
-        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, self.int8, self.int8_tensors,
-                            self.calibration,
+        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, bool(self.tables), self.int8,
+                            self.int8_tensors, self.calibration,
                             len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:
         """Once every weight has been stored; a mx_int8 fragment that selected none is refused (a typo
         would otherwise leave the tensors it meant in the main format, silently)."""
+        if self.embedding and not self.tables:
+            raise ValueError("mx_embedding: the graphs read no embedding table (a Gather of the input ids)")
         if unused := [f for f in self.int8 if f not in self.matched]:
             raise ValueError(f"mx_int8 fragment(s) {unused} match no quantized weight (decoder linears and the "
                              f"LM head, e.g. {sorted(self.quantized)[:3]})")
         s = self.summary()
         return {"quant": asdict(s) | {"ratio_to_fp16": round(s.ratio_to_fp16, 4)}}
+
+
+def _float_matrix(t: onnx.TensorProto) -> np.ndarray:
+    w = numpy_helper.to_array(t)
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"weight {t.name!r}: expected a float32 matrix, got {w.dtype} {w.shape}")
+    return w
 
 
 class Float16Pass:
@@ -210,7 +246,7 @@ class Float16Pass:
     def __init__(self) -> None:
         self.cast: set[str] = set()
 
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
         if t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 2:
             return [t]
         full = numpy_helper.to_array(t)
@@ -242,10 +278,10 @@ class PassChain:
     def __init__(self, passes: Sequence[WeightPass] = ()) -> None:
         self.passes = list(passes)
 
-    def store(self, t: onnx.TensorProto, matmul: bool) -> list[onnx.TensorProto]:
+    def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
         stored = [t]
         for p in self.passes:
-            stored = [s for x in stored for s in p.store(x, matmul)]
+            stored = [s for x in stored for s in p.store(x, matmul, embedding)]
         return stored
 
     def nodes(self, model: onnx.ModelProto, names: list[str]) -> list[onnx.NodeProto]:
@@ -265,9 +301,9 @@ class PassChain:
 def apply_passes(model: onnx.ModelProto, passes: Sequence[WeightPass]) -> int:
     """Run `passes` over an in-memory graph's initializers; returns how many weights were replaced."""
     graph, chain = model.graph, PassChain(passes)
-    matmul = matmul_weights(graph)
+    matmul, tables = matmul_weights(graph), embedding_tables(graph)
     names = [t.name for t in graph.initializer]
-    stored = [s for t in graph.initializer for s in chain.store(t, t.name in matmul)]
+    stored = [s for t in graph.initializer for s in chain.store(t, t.name in matmul, t.name in tables)]
     nodes = chain.nodes(model, names)
     if nodes:
         rewrite_graph(graph, stored, nodes)

@@ -115,9 +115,12 @@ def test_the_call_pattern_benchmark_times_each_call_and_leaves_the_sequence_as_i
     assert host.tlm.length == len(prompt) and list(host.tlm.history[: len(prompt)]) == prompt
 
 
+MX_TLM = ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused", mx_embedding=True)  # every MX path
+
+
 @pytest.fixture(scope="module")
 def cuda_artifact(tmp_path_factory, checkpoints):
-    recipe = replace(tiny_recipe(target="ort-cuda"), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"))
+    recipe = replace(tiny_recipe(target="ort-cuda"), tlm=MX_TLM)
     warned = pytest.warns(UserWarning, match="batch-invariant graphs need mxspd's kernels")
     with warned, pytest.MonkeyPatch.context() as m:
         m.setattr(build, "SHARED_MIN_BYTES", 4096)  # the tiny models' matrices, as a real model's weights are shared
@@ -138,14 +141,15 @@ def test_a_cuda_artifact_builds_without_a_gpu_in_float16_with_mxfp6_in_matmulnbi
         assert types[graph_io.LOGITS] == TensorProto.FLOAT  # sampling reads float32 logits
         bits = [a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
         assert (set(bits) == {8} and len(bits) >= 7) if role == "tlm" else not bits  # the MXFP6 TLM's matrices
+        tables = {t.name for t in graph.initializer if t.data_type == TensorProto.INT8}
+        assert tables == ({"embed_tokens.weight.rows_int8"} if role == "tlm" else set())  # its MXINT8 embedding
         assert len(norm_statistics(graph)) == 2 * entry.dims.n_layers + 1
 
 
 def test_the_float16_graphs_compute_what_the_float32_graphs_compute(cuda_artifact, checkpoints, tmp_path):
     """Run on the CPU provider (which has float16 kernels or casts around them): the GPU target's
     prefill against the CPU target's, same checkpoint and MX lowering, a visible cache of random KV."""
-    recipe = replace(tiny_recipe(), tlm=ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"), dlm=None,
-                     batch_invariant=False)
+    recipe = replace(tiny_recipe(), tlm=MX_TLM, dlm=None, batch_invariant=False)
     cpu_artifact = build_artifact(recipe, tmp_path / "cpu", tlm=str(checkpoints["llama-gqa"]), progress=False)
     rng = np.random.default_rng(0)
     entry = read_manifest(cpu_artifact).models["tlm"]

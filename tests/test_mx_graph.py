@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -190,8 +191,9 @@ def test_lowering_that_did_not_survive_is_an_error():
         _check_lowered(exact, "decode", "fused", {WEIGHT: "fp6_e2m3"})
 
 
-def hf_logits(checkpoint, tokens: list[int], fmt: str | None) -> np.ndarray:
-    """transformers itself, its decoder linear weights replaced by their MX values (if fmt)."""
+def hf_logits(checkpoint, tokens: list[int], fmt: str | None, embedding: bool = False) -> np.ndarray:
+    """transformers itself, its decoder linear weights replaced by their MX values (if fmt), and its
+    embedding table by its MXINT8 values (if `embedding`; a tied LM head keeps the float table)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
@@ -200,6 +202,10 @@ def hf_logits(checkpoint, tokens: list[int], fmt: str | None) -> np.ndarray:
             if fmt and name.startswith("model.layers.") and name.endswith("proj.weight"):
                 # nn.Linear holds W[N, K]; the graph's MatMul weight is W.T [K, N], blocked along K.
                 p.copy_(torch.from_numpy(fake_quantize(p.numpy().T, fmt, axis=0).T.copy()))
+        if embedding:
+            table = model.get_input_embeddings().weight
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+            table.copy_(torch.from_numpy(fake_quantize(table.numpy(), "int8", axis=1)))
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
@@ -346,3 +352,70 @@ def test_a_memo_lowers_each_weight_once_for_all_graphs_of_a_model(tmp_path, monk
     lower_model(fresh, lowering, read=lambda t: read_tensor(t, tmp_path))  # the control: no memo, computed again
     assert computed == [lowering]
     assert {t.name: t.raw_data for t in fresh.graph.initializer} == lowered[0]
+
+
+def embedding_model(table: np.ndarray, ids_shape: tuple[int, ...] = (1, 5)) -> onnx.ModelProto:
+    v, k = table.shape
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed_tokens.weight", "input_ids"], ["rows"])], "embed",
+        [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, list(ids_shape))],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [*ids_shape, k])],
+        [numpy_helper.from_array(table, "embed_tokens.weight")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("lowering", ["exact", "fused", "native"])
+@pytest.mark.parametrize("k", [64, 70])
+def test_an_mx_embedding_table_is_gathered_then_dequantized_exactly(lowering, k):
+    """mx_embedding: the table becomes standard MXINT8 blocks along K (onnx's reference decodes them to
+    the MX values), and every lowering gathers the rows' codes and dequantizes only them, giving those
+    values bit for bit, with no float copy of the table left in the graph."""
+    table = weights(300, k).astype(np.float32)
+    table[7] *= 1e-37  # blocks whose MX exponent is below 6
+    model = embedding_model(table)
+    mx = MXPass("fp6_e2m3", embedding=True)
+    assert apply_passes(model, [mx]) == 1 and mx.summary().embedding
+    onnx.checker.check_model(model, full_check=True)
+    ids = np.array([[0, 7, 299, 7, 42]])
+    want = fake_quantize(table, "int8", axis=1)[ids]
+    standard = ReferenceEvaluator(model).run(None, {"input_ids": ids})[0]
+    np.testing.assert_array_equal(standard[0, [0, 2, 4]], want[0, [0, 2, 4]])
+    np.testing.assert_allclose(standard[0, [1, 3]], want[0, [1, 3]], rtol=0, atol=2.0**-128)
+    assert lower_model(model, lowering) == {}  # no matmul weight: nothing for a kernel to keep
+    assert not [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and t.dims[0] == 300]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"input_ids": ids})[0], standard)
+
+
+def test_mx_embedding_needs_mx_weights_and_a_table():
+    with pytest.raises(RecipeError, match="need mx_format"):
+        recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_embedding": True}})
+    spec = ModelSpec(model="m", mx_format="fp6_e2m3", mx_embedding=True)
+    assert with_mx_format(spec, None) == ModelSpec(model="m")
+    mx = MXPass(embedding=True)
+    apply_passes(matmul_model(weights(64, 24)), [mx])
+    with pytest.raises(ValueError, match="no embedding table"):
+        mx.info()
+
+
+@pytest.mark.parametrize("lowering", ["exact", "native"])
+def test_mx_embedding_artifact_matches_transformers_with_its_mxint8_table(checkpoints, tmp_path, lowering):
+    """mx_embedding end to end: the exported, compiled artifact equals transformers with the same MX
+    decoder weights and the table's MXINT8 values (exact to 1e-4; native as the other kernel artifacts),
+    its graphs gather int8 rows from no float32 table, and the manifest says so."""
+    ck = checkpoints["llama-gqa"]
+    spec = ModelSpec(model=str(ck), mx_format="fp6_e2m3", mx_lowering=lowering, mx_embedding=True)
+    art_dir = build_artifact(replace(tiny_recipe(), dlm=None, tlm=spec), tmp_path / "emb", progress=False)
+    plain = build_artifact(replace(tiny_recipe(), dlm=None, tlm=replace(spec, mx_embedding=False)),
+                           tmp_path / "plain", progress=False)
+    ours = prompt_logits(art_dir, TOKENS)
+    ref = hf_logits(ck, TOKENS, "fp6_e2m3", embedding=True)[-1]
+    np.testing.assert_allclose(ours, ref, atol=1e-4 if lowering == "exact" else 1e-4 * np.abs(ref).max(), rtol=1e-4)
+    assert np.abs(ours - prompt_logits(plain, TOKENS)).max() > 1e-5  # the table really was quantized
+    assert load_artifact(art_dir).manifest.models["tlm"].quant["embedding"]
+    model = onnx.load(str(art_dir / "tlm" / "decode.onnx"), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    vocab = json.loads((ck / "config.json").read_text())["vocab_size"]
+    assert inits["embed_tokens.weight.rows_int8"].data_type == onnx.TensorProto.INT8
+    assert not [t for t in inits.values() if t.data_type == onnx.TensorProto.FLOAT and list(t.dims[:1]) == [vocab]]

@@ -128,3 +128,24 @@ def test_three_graphs_hold_one_copy_of_the_weights(mid_artifact):
     assert mapped["graphs_per_model"] == {"tlm": 5}  # prefill, decode and three score graphs
     assert mapped["pss_growth_over_one_prepacked_copy"] < 1.25, mapped
     assert heap["pss_growth_over_one_prepacked_copy"] > 2.0, heap
+
+
+def test_the_weights_mapping_pss_counts_the_pages_touched_in_weights_files_only(tmp_path):
+    """benchmarks.memory --answers reports the weights files' share of PSS: the pages this process touched
+    in a mapped weights.bin (4 MiB of 16), and nothing of another mapped file (the negative control)."""
+    import mmap
+
+    from benchmarks.memory import weights_mapping_pss_mib
+
+    before = weights_mapping_pss_mib()
+    maps = []
+    for name in ("weights.bin", "other.bin"):
+        path = tmp_path / name
+        path.write_bytes(bytes(16 << 20))
+        with path.open("rb") as f:
+            maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+        assert sum(maps[-1][i] for i in range(0, 4 << 20, 4096)) == 0  # touch every page of the first 4 MiB
+    grown = weights_mapping_pss_mib() - before
+    for m in maps:
+        m.close()
+    assert 3.9 < grown < 4.5, grown

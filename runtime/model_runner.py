@@ -61,7 +61,10 @@ class _BoundGraph:
                 self.on_device[name].update_inplace(getattr(self, _FIELDS[name]))
 
     def download(self) -> np.ndarray:
-        return self.logits if self.on_device is None else self.on_device[graph_io.LOGITS].numpy()
+        if self.on_device is None:
+            return self.logits
+        out = self.on_device[graph_io.LOGITS].numpy()  # a device's: a host copy; the CPU's: the bound buffer
+        return out if out.flags.owndata else out.copy()  # which the next call overwrites, or which goes with it
 
 
 _FIELDS = {graph_io.INPUT_IDS: "input_ids", graph_io.POSITION_IDS: "position_ids",

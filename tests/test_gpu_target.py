@@ -56,6 +56,19 @@ def test_the_device_cache_gives_exactly_what_the_host_cache_gives(both, options)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
 
 
+def test_logits_from_the_device_cache_stay_the_callers_after_the_next_call(artifact_dir):
+    """On the CPU provider a bound output's numpy() is the bound buffer itself: the logits a call returned
+    must not change when the next call writes that buffer (nor go when the runner goes)."""
+    manifest = read_manifest(artifact_dir)
+    runner = ModelRunner(artifact_dir, manifest.models["tlm"], manifest.capacity, target="ort-cpu", device_cache=True)
+    runner.start(np.arange(5, 17))
+    first = runner.forward(graph_io.DECODE, np.array([11]))
+    kept = first.copy()
+    second = runner.forward(graph_io.DECODE, np.array([12]))
+    assert not np.array_equal(second, kept)  # the second call wrote other logits
+    np.testing.assert_array_equal(first, kept)
+
+
 def test_the_device_cache_serves_branches_beams_and_a_reused_prefix(both):
     host, device = both
     a = runtime.generate(host, "import os\n", n=3, max_new_tokens=12, do_sample=True, seed=2)

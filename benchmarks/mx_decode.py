@@ -15,7 +15,10 @@ greedy prompt lookup and lookahead give exactly the autoregressive tokens. `--pl
 every engine with `batch_invariant = false` (named `<engine>:plain`; ONNX Runtime's MatMul and
 attention): the cost of batch invariance is the ratio of the two. `--context N` also builds every
 engine with N KV slots (`<engine>:ctxN`): what a larger cache capacity costs one request's decode
-(`speed_over_ctxN`).
+(`speed_over_ctxN`). `--small-pages` also loads a copy of every engine as artifacts loaded before
+the initializer index (`<engine>:small_pages`: each session maps its own weights, from a weights file
+cached in small folios as a build leaves it): what one mapping in 2 MiB pages is worth
+(`speed_over_small_pages`; README, "One mapping of the weights").
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -32,7 +37,7 @@ import runtime
 from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, PLAIN, SENSITIVE8, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
-from benchmarks.variants import build_cached, variant
+from benchmarks.variants import build_cached, small_pages_copy, variant
 from common.recipe import Recipe
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.default_pair import cache_root
@@ -80,6 +85,8 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="also each engine built with batch_invariant = false")
     ap.add_argument("--context", type=int, help="also each engine built with this context_length (KV slots): what a "
                     "larger cache costs one request's decode")
+    ap.add_argument("--small-pages", action="store_true", help="also each engine as loaded before the initializer "
+                    "index: each session maps its own weights, cached in small folios")
     args = ap.parse_args()
     names = args.engines.split(",")
     if unknown := sorted(set(names) - set(ENGINES)):
@@ -87,6 +94,7 @@ def main() -> None:
     if "fp32" not in names:
         ap.error("--engines must include fp32 (the reference every other engine is compared with)")
     recipe = get_recipe(args.recipe)
+    tmp = tempfile.TemporaryDirectory()  # small-pages copies, removed at exit
     arts = {}
     for name in names:
         r = engine_recipe(recipe, name, args.new_tokens)
@@ -95,6 +103,9 @@ def main() -> None:
         for key, built in builds.items():
             path = build_cached(built, cache_root() / "bench" / f"{recipe.name}-{key.replace(':', '-')}")
             arts[key] = runtime.load_artifact(path)
+            if args.small_pages and key == name:
+                copy = small_pages_copy(path, Path(tmp.name) / key)
+                arts[f"{key}:small_pages"] = runtime.load_artifact(copy, verify=False)
     art0 = arts["fp32"]
     prompt = encode_prompt(art0, args.prompt)  # with the recipe's chat template
     n = args.new_tokens

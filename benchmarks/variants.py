@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 
+from common.graph_io import INITIALIZERS_FILE
 from common.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest, sha256_file
 from common.ngram_table import FILE as NGRAM_TABLE_FILE
 from common.recipe import Recipe, with_mx_format
@@ -101,6 +102,23 @@ def prepacked_bytes(art_dir: Path, role: str) -> int:
             for v in packed or [f"raw|{info.get('offset')};{info.get('length', 0)};0"] * bool(info):
                 blobs[v.split("|")[1]] = int(v.split("|")[1].split(";")[1])
     return sum(blobs.values())
+
+
+def small_pages_copy(art_dir: Path, out_dir: Path) -> Path:
+    """A copy of the artifact as it loaded before the initializer index: each session maps its own weights
+    (ONNX Runtime's 4 KiB-page maps, one per tensor), from weights files written in 64 KiB pieces, as a
+    build writes them, so cached in small folios (graphs hard-linked; load it with verify=False)."""
+    shutil.copytree(art_dir, out_dir, copy_function=os.link)
+    for index in out_dir.rglob(INITIALIZERS_FILE):
+        index.unlink()
+    for weights in out_dir.rglob("weights.bin"):
+        weights.unlink()  # a hard link: replace, never write through to the original
+        with open(art_dir / weights.relative_to(out_dir), "rb") as src, open(weights, "wb") as dst:
+            while piece := src.read(1 << 16):
+                dst.write(piece)
+            dst.flush()
+            os.fsync(dst.fileno())
+    return out_dir
 
 
 def heap_prepacked_copy(art_dir: Path, out_dir: Path) -> Path:

@@ -121,13 +121,29 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
 SHARED_MIN_BYTES = 1 << 20  # weights; small constants (shapes, norms) may be planned on the host: left alone
 
 
-def _initializer_index(graph: Path, weights_name: str) -> list[list]:
-    """The graph's large initializers in the model's weights file: [name, numpy dtype, dims, offset, length]
-    (common/graph_io.py's INITIALIZERS_FILE)."""
+def _shared(consumers: set[tuple[str, str]], length: int, target: str) -> bool:
+    """Whether the runtime hands each session one shared copy of this initializer (common/shared_weights.py).
+    On the CPU (a view of one mapping of the weights file) only where every op that reads it is mxspd's or
+    a Gather: ONNX Runtime prepacks other ops' weights (MatMul, MatMulNBits) into blobs the artifact
+    carries, and would repack a tensor it is handed into a private copy."""
+    if target not in PREPACKED_TARGETS:
+        return length >= SHARED_MIN_BYTES
+    return bool(consumers) and all(domain == NATIVE_DOMAIN or (domain, op) == ("", "Gather")
+                                   for domain, op in consumers)
+
+
+def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list]:
+    """The graph's initializers in the model's weights file that its sessions share: [name, numpy dtype,
+    dims, offset, length] (common/graph_io.py's INITIALIZERS_FILE)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    consumers: dict[str, set[tuple[str, str]]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add((node.domain, node.op_type))
     out = []
-    for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
+    for t in model.graph.initializer:
         info = {e.key: e.value for e in t.external_data}
-        if info.get("location") == weights_name and int(info["length"]) >= SHARED_MIN_BYTES:
+        if info.get("location") == weights_name and _shared(consumers.get(t.name, set()), int(info["length"]), target):
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
             out.append([t.name, dtype, list(t.dims), int(info.get("offset", 0)), int(info["length"])])
     return out
@@ -209,11 +225,10 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         with shared_file(Path(work) / "lowered.bin") as shared:
             paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
-    shared = None
-    if DEVICE[target] != "cpu":  # one device copy of the weights for all the graphs' sessions
-        index = {g: _initializer_index(p, info["weights"]) for g, p in paths.items()}
-        (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
-        shared = SharedWeights(out_dir, out_dir / info["weights"], DEVICE[target])
+    # one copy of the weights for all the graphs' sessions (on the CPU: one mapping, in 2 MiB pages)
+    index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
+    (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
+    shared = SharedWeights(out_dir, out_dir / info["weights"], DEVICE[target])
     dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target in FLOAT16_TARGETS else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],

@@ -121,9 +121,9 @@ class ModelRunner:
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         model_dir = Path(artifact_dir) / Path(entry.weights).parent
-        # on a device, one copy of the weights for all the graphs (artifacts built before the index: one each)
-        self.shared = SharedWeights.available(model_dir, Path(artifact_dir) / entry.weights, DEVICE[target]
-                                              ) if self.kv is not None else None
+        # one copy of the weights for all the graphs: on the CPU one mapping of the file, in 2 MiB pages
+        # (artifacts built before the index: each session its own)
+        self.shared = SharedWeights.available(model_dir, Path(artifact_dir) / entry.weights, DEVICE[target])
         with parked_pools():
             self.graphs = {
                 name: self._load(name, Path(artifact_dir) / g.file, g.tokens, target, threads)

@@ -123,13 +123,14 @@ SHARED_MIN_BYTES = 1 << 20  # weights; small constants (shapes, norms) may be pl
 
 def _shared(consumers: set[tuple[str, str]], length: int, target: str) -> bool:
     """Whether the runtime hands each session one shared copy of this initializer (common/shared_weights.py).
-    On the CPU (a view of one mapping of the weights file) only where every op that reads it is mxspd's or
-    a Gather: ONNX Runtime prepacks other ops' weights (MatMul, MatMulNBits) into blobs the artifact
-    carries, and would repack a tensor it is handed into a private copy."""
+    On the CPU (a view of one mapping of the weights file, in 2 MiB pages, all mapped at load) only where
+    every op that reads it is mxspd's: a decode step reads those whole. ONNX Runtime prepacks its own ops'
+    weights (MatMul, MatMulNBits) into blobs the artifact carries, and would repack a tensor it is handed
+    into a private copy; a Gather reads a row of the embedding table per token, which its own mapping
+    keeps in the pages those rows touch."""
     if target not in PREPACKED_TARGETS:
         return length >= SHARED_MIN_BYTES
-    return bool(consumers) and all(domain == NATIVE_DOMAIN or (domain, op) == ("", "Gather")
-                                   for domain, op in consumers)
+    return bool(consumers) and all(domain == NATIVE_DOMAIN for domain, _ in consumers)
 
 
 def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list]:

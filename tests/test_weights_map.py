@@ -110,11 +110,12 @@ def test_a_missing_or_short_weights_file_is_an_artifact_error_naming_it(tmp_path
         SharedWeights(tmp_path, short, "cpu").add_to("decode", ort.SessionOptions())
 
 
-def test_the_cpu_index_shares_only_what_onnx_runtime_does_not_prepack():
-    """mxspd's ops and Gather read the mapping as it is; ORT's MatMul would repack a handed tensor privately."""
-    assert _shared({(DOMAIN, "MXMatMul")}, 10, "ort-cpu") and _shared({("", "Gather")}, 10, "ort-cpu")
-    assert not _shared({("", "MatMul")}, 10 << 20, "ort-cpu")
-    assert not _shared({("", "Gather"), ("", "MatMul")}, 10 << 20, "ort-cpu")  # a tied embedding and LM head
+def test_the_cpu_index_shares_only_what_mxspds_kernels_read_whole():
+    """mxspd's ops read the mapping as it is, every weight whole per call; ORT's MatMul would repack a handed
+    tensor privately, and a Gather's table is left to ORT's own mapping, which maps only the rows met."""
+    assert _shared({(DOMAIN, "MXMatMul")}, 10, "ort-cpu") and _shared({(DOMAIN, "RowMatMul")}, 10, "ort-cpu")
+    assert not _shared({("", "MatMul")}, 10 << 20, "ort-cpu") and not _shared({("", "Gather")}, 10 << 20, "ort-cpu")
+    assert not _shared({(DOMAIN, "RowMatMul"), ("", "Gather")}, 10 << 20, "ort-cpu")  # a tied table and head
     assert not _shared({("com.microsoft", "MatMulNBits")}, 10 << 20, "ort-cpu") and not _shared(set(), 10, "ort-cpu")
     assert _shared({("", "MatMul")}, 2 << 20, "ort-cuda") and not _shared({("", "MatMul")}, 1000, "ort-cuda")
 
@@ -126,8 +127,9 @@ def _weights_mappings(weights: Path) -> int:
 @pytest.mark.parametrize("fmt", ["mx-native", "float32"])
 def test_cpu_sessions_share_one_mapping_and_compute_what_their_own_weights_give(flat, checkpoints, tmp_path_factory,
                                                                               monkeypatch, fmt):
-    """Every graph's session runs on views of one mapping of the weights file (ONNX Runtime maps none of
-    its own), with the logits of sessions that load their own weights (artifacts built before the index)."""
+    """Every graph's session runs its kernels' weights from views of one mapping of the weights file (ONNX
+    Runtime maps only the rest), with the logits of sessions that load their own weights (artifacts built
+    before the index)."""
     art = artifact(flat, checkpoints, tmp_path_factory, fmt)
     manifest = read_manifest(art.path)
     entry = manifest.models["tlm"]
@@ -150,7 +152,8 @@ def test_cpu_sessions_share_one_mapping_and_compute_what_their_own_weights_give(
     monkeypatch.setattr(SharedWeights, "available", classmethod(lambda cls, *a: None))
     own, own_maps = decode()
     np.testing.assert_array_equal(shared, own)
-    assert shared_maps == 1 and own_maps > len(entry.graphs), (shared_maps, own_maps)
+    # one mapping for the kernels' weights; ONNX Runtime's own, per session, only for the rest (the embedding table)
+    assert shared_maps == 1 + len(external - listed) * len(entry.graphs) < own_maps, (shared_maps, own_maps)
 
 
 def test_the_smaps_reader_finds_the_mapping_it_is_asked_about(tmp_path):

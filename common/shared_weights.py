@@ -24,14 +24,23 @@ from common.manifest import ArtifactError
 from common.weights_map import WeightsMap
 
 
+def _row_ok(row: object) -> bool:
+    return (isinstance(row, list) and len(row) == 5 and all(isinstance(x, str) for x in row[:2])
+            and isinstance(row[2], list) and all(isinstance(d, int) and d >= 0 for d in row[2])
+            and all(isinstance(x, int) and x >= 0 for x in row[3:]))
+
+
 class SharedWeights:
     def __init__(self, model_dir: Path, weights: Path, device: str) -> None:
         """`model_dir`: the model's folder in the artifact (its INITIALIZERS_FILE); `weights`: the
-        weights file the offsets point into; `device`: where the tensors go ("cuda", or "cpu")."""
+        weights file the offsets point into; `device`: where the tensors go ("cuda", or "cpu": views of
+        one mapping of the file, no copy)."""
         index = Path(model_dir) / INITIALIZERS_FILE
         try:
             self.index: dict[str, list] = json.loads(index.read_text())
-        except (OSError, ValueError) as exc:
+            if not all(_row_ok(row) for rows in self.index.values() for row in rows):
+                raise ValueError("a row is not [name, dtype, dims, offset, length]")
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
             raise ArtifactError(f"{index}: cannot read the initializer index ({exc}); "
                                 "re-run `python -m export`") from exc
         self.device, self.weights = device, Path(weights)

@@ -10,11 +10,14 @@ folios, which reading the file from disk produces (through this mapping, or sequ
 Pages that a build wrote, or that another mapping faulted in 4 KiB at a time, sit in small folios.
 If most of the file is not mapped in 2 MiB entries after a first touch, its page cache is dropped
 once (the kernel drops clean pages only, and none that another process maps) and the file is read
-again, the first process to load it paying one read of the file.
+again, the first process to load it paying one read of the file. Where that read did not help (a
+filesystem without large folios: tmpfs, ext4 before Linux 6.16), the cache remembers it for that
+kernel and filesystem, and no later load reads again.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -22,17 +25,52 @@ from pathlib import Path
 
 import numpy as np
 
-HUGE = 2 << 20  # x86-64's 2 MiB page
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_REREAD_BELOW = 0.5  # share of the file's whole 2 MiB pages mapped huge under which it is read again
+from common.cache import cache_root
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+_REREAD_BELOW = 0.5  # share of the used 2 MiB pages mapped huge under which the file is read again
+NO_GAIN_FILE = "no-huge-folios.json"  # in cache_root(): kernels and filesystems where reading again did not help
+
+
+def _pmd_size() -> int:
+    try:
+        return int((_THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20  # x86-64's
+
+
+HUGE = _pmd_size()
 
 
 def huge_pages_possible() -> bool:
     """The kernel has transparent huge pages and lets a mapping ask for them."""
     try:
-        return "[never]" not in _THP.read_text()
+        return "[never]" not in (_THP / "enabled").read_text()
     except OSError:
         return False
+
+
+def _no_gain_key(path: Path) -> str:
+    return f"{os.uname().release} dev {os.stat(path).st_dev}"
+
+
+def _no_gain() -> set[str]:
+    try:
+        return set(json.loads((cache_root() / NO_GAIN_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _remember_no_gain(key: str) -> None:
+    """Best effort: a read-only home only means the next load tries again."""
+    path = cache_root() / NO_GAIN_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(f".{path.name}.{os.getpid()}")
+        staged.write_text(json.dumps(sorted(_no_gain() | {key})))
+        os.replace(staged, path)
+    except OSError:
+        pass
 
 
 def _pmd_mapped_bytes(address: int) -> int | None:
@@ -86,7 +124,11 @@ class WeightsMap:
             return
         self.huge_fraction = self._touch()
         if self.huge_fraction is not None and self.huge_fraction < _REREAD_BELOW:
-            self._reread()
+            key = _no_gain_key(self.path)
+            if key not in _no_gain():
+                self._reread()
+                if self.huge_fraction is not None and self.huge_fraction < _REREAD_BELOW:
+                    _remember_no_gain(key)
 
     def _open(self) -> mmap.mmap | None:
         if self.size == 0:
@@ -113,9 +155,12 @@ class WeightsMap:
         are read in 2 MiB."""
         self.array = np.zeros(0, dtype=np.uint8)
         self._map.close()
-        with open(self.path, "rb") as f:
-            for start, end in self._spans:
-                os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+        try:
+            with open(self.path, "rb") as f:
+                for start, end in self._spans:
+                    os.posix_fadvise(f.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # only speed is lost: map the file as it is cached
         self._map = self._open()
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.huge_fraction = self._touch()

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from common.cache import cache_root  # noqa: F401  (where benchmarks keep what they build; imported from here)
+
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 VOCAB_SIZE = 4096
 HELD_OUT = ("json", "csv", "argparse", "textwrap", "fractions", "heapq", "bisect", "shlex")
@@ -42,11 +44,6 @@ TRAINING = {
     "stdlib-dlm": dict(seed=4321, steps=2000, batch=16, seq_len=256, lr=3e-3, warmup=60),
 }
 DATA_SEED = 20261123
-
-
-def cache_root() -> Path:
-    """Where benchmarks keep checkpoints and artifacts they build."""
-    return Path(os.environ.get("MXSPD_CACHE", Path.home() / ".cache" / "mxspd"))
 
 
 def stdlib_files(split: str = "train") -> list[Path]:

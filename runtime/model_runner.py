@@ -121,9 +121,11 @@ class ModelRunner:
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: _BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         model_dir = Path(artifact_dir) / Path(entry.weights).parent
-        # one copy of the weights for all the graphs: on the CPU one mapping of the file, in 2 MiB pages
-        # (artifacts built before the index: each session its own)
-        self.shared = SharedWeights.available(model_dir, Path(artifact_dir) / entry.weights, DEVICE[target])
+        # one copy of the weights for all the graphs: on a device with the device cache, or on the CPU one
+        # mapping of the file in 2 MiB pages (artifacts built before the index: each session its own)
+        device = DEVICE[target]
+        self.shared = SharedWeights.available(model_dir, Path(artifact_dir) / entry.weights, device
+                                              ) if device == "cpu" or self.kv is not None else None
         with parked_pools():
             self.graphs = {
                 name: self._load(name, Path(artifact_dir) / g.file, g.tokens, target, threads)

@@ -27,6 +27,12 @@ from runtime.model_runner import ModelRunner
 from tests.conftest import artifact
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """What the runtime learns about this machine (NO_GAIN_FILE) goes to a cache of the test's own."""
+    monkeypatch.setenv("MXSPD_CACHE", str(tmp_path / "cache"))
+
+
 def _write(path: Path, size: int) -> bytes:
     data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
     with open(path, "wb") as f:  # in 64 KiB writes, as a build writes tensor by tensor (and cp copies)
@@ -61,7 +67,7 @@ def _page_cache_holds_2mib_folios(tmp: Path) -> bool:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return _pmd_fraction(probe, huge=True) > 0.5
+    return _pmd_fraction(probe, huge=True) >= 0.9
 
 
 def test_a_freshly_written_weights_file_is_mapped_in_2mib_pages(tmp_path, monkeypatch):
@@ -153,7 +159,7 @@ def test_cpu_sessions_share_one_mapping_and_compute_what_their_own_weights_give(
     own, own_maps = decode()
     np.testing.assert_array_equal(shared, own)
     # one mapping for the kernels' weights; ONNX Runtime's own, per session, only for the rest (the embedding table)
-    assert shared_maps == 1 + len(external - listed) * len(entry.graphs) < own_maps, (shared_maps, own_maps)
+    assert shared_maps <= 1 + len(external - listed) * len(entry.graphs) < own_maps, (shared_maps, own_maps)
 
 
 def test_the_smaps_reader_finds_the_mapping_it_is_asked_about(tmp_path):
@@ -178,3 +184,30 @@ def test_only_the_used_pages_are_mapped_at_load(tmp_path):
                  if b.startswith(f"{m.array.ctypes.data:x}-"))
     rss_kib = int(re.search(r"^Rss:\s+(\d+) kB", block, re.MULTILINE).group(1))
     assert rss_kib <= 2 * HUGE >> 10, rss_kib
+
+
+def test_a_second_read_that_did_not_help_is_not_tried_again(tmp_path, monkeypatch):
+    """Where the filesystem has no large folios, reading again gains nothing: the first load says so in the
+    cache, and later loads (other processes too) map the file as it is cached."""
+    if not huge_pages_possible():
+        pytest.skip("no transparent huge pages")
+    path = tmp_path / "w.bin"
+    _write(path, 4 * HUGE)
+    monkeypatch.setattr(weights_map, "_REREAD_BELOW", 1.01)  # no fraction is enough: every read "fails"
+    rereads = []
+    real = WeightsMap._reread
+    monkeypatch.setattr(WeightsMap, "_reread", lambda self: rereads.append(1) or real(self))
+    WeightsMap(path)
+    assert rereads == [1] and (tmp_path / "cache" / weights_map.NO_GAIN_FILE).is_file()
+    WeightsMap(path)
+    assert rereads == [1]
+
+
+@pytest.mark.parametrize("index", ['{"decode": [["w", "float32", [4], -8, 16]]}', '[1, 2]', '{"decode": [["w"]]}'])
+def test_a_malformed_initializer_index_is_an_artifact_error(tmp_path, index):
+    from common.manifest import ArtifactError
+
+    (tmp_path / graph_io.INITIALIZERS_FILE).write_text(index)
+    _write(tmp_path / "w.bin", 64)
+    with pytest.raises(ArtifactError, match="initializer index"):
+        SharedWeights(tmp_path, tmp_path / "w.bin", "cpu")

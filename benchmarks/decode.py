@@ -24,8 +24,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import runtime
 from benchmarks.variants import build_cached
+from common.cache import cache_root
 from common.recipe import ModelSpec, Recipe
-from recipes.default_pair import byte_tokenizer, cache_root
+from recipes.default_pair import byte_tokenizer
 
 TLM = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
            num_key_value_heads=16, vocab_size=32000)

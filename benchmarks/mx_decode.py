@@ -38,9 +38,9 @@ from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, PLAIN, SENSITIVE8, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, small_pages_copy, variant
+from common.cache import cache_root
 from common.recipe import Recipe
 from recipes import DEFAULT_RECIPE, get_recipe
-from recipes.default_pair import cache_root
 from runtime.request import encode_prompt
 
 ENGINES = {  # name -> (mx_format, lowering, other TLM settings)

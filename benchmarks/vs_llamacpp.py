@@ -46,9 +46,9 @@ from benchmarks.decode import genai_model, time_genai, time_ours
 from benchmarks.memory import smaps_mib
 from benchmarks.mx_decode import ENGINES, LONG_ANSWER, engine_recipe
 from benchmarks.variants import build_cached
+from common.cache import cache_root
 from export.gguf_checkpoint import gguf_file
 from recipes import get_recipe
-from recipes.default_pair import cache_root
 from runtime.request import encode_prompt
 
 REFERENCE = "Q6_K"  # issue 27's yardstick: llama.cpp's 6.56-bit format

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from common.cache import cache_root
 
 PACKAGE_PREFIX = "package:"
 SOURCE_FILE = "gguf_source.json"
@@ -79,12 +80,6 @@ def gguf_file(reference: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"package {package!r} is installed but has no file {inner}")
     return path
-
-
-def cache_root() -> Path:
-    if "MXSPD_CACHE" in os.environ:
-        return Path(os.environ["MXSPD_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mxspd"
 
 
 def _field(reader, key: str):

@@ -24,8 +24,6 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from common.cache import cache_root  # noqa: F401  (where benchmarks keep what they build; imported from here)
-
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 VOCAB_SIZE = 4096
 HELD_OUT = ("json", "csv", "argparse", "textwrap", "fractions", "heapq", "bisect", "shlex")

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.cache import cache_root
 from common.ngram_table import NgramTable, vocab_fingerprint
 from recipes import DEFAULT_RECIPE, get_recipe
-from recipes.default_pair import BUILTIN_DIR, cache_root
+from recipes.default_pair import BUILTIN_DIR
 
 ORDER = 4  # the longest context counted
 MIN_COUNT = 2  # a context seen once says little

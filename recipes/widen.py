@@ -45,6 +45,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
+from common.cache import cache_root
 from common.staging import MARKER, OutputExistsError, clean_stale, make_staging
 
 WIDE_R = 4
@@ -205,7 +206,7 @@ def wide_model_dir(name: str) -> Path:
 
     Rebuilt when the shipped source weights change (the record keeps their sha256).
     """
-    from recipes.default_pair import builtin_model_dir, cache_root
+    from recipes.default_pair import builtin_model_dir
 
     source_name, r = WIDE_MODELS[name]
     source_dir = builtin_model_dir(source_name)
@@ -217,7 +218,7 @@ def wide_model_dir(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Build the widened stdlib TLM and print its size and build time."""
-    from recipes.default_pair import builtin_model_dir, cache_root
+    from recipes.default_pair import builtin_model_dir
 
     parser = argparse.ArgumentParser(prog="python -m recipes.widen", description=main.__doc__)
     parser.add_argument("--r", type=int, default=WIDE_R, help=f"width multiplier (default {WIDE_R})")

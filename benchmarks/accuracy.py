@@ -1,13 +1,14 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
-    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics]
+    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics|licences]
                                   [--configs ...] [--instructions 100] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0]
                                   [--out reports]
 
 Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice (rounded
 with error feedback where the recipe names a calibration text, `+nearest` to nearest), and
-scores held-out text (the standard-library modules the default pair never saw, --text FILE, or
-pydoc:topics: the Python reference's topic pages that CPython ships) teacher-forced through the
+scores held-out text (the standard-library modules the default pair never saw, --text FILE,
+pydoc:topics: the Python reference's topic pages that CPython ships, or licences: the licence texts
+the operating system ships, but the calibration's) teacher-forced through the
 compiled graphs, in windows of the context length. Peers (onnxruntime-genai's builds, llama.cpp's
 formats of the recipe's GGUF) score the same windows in the same chunks, each also against its own
 float32. Each build's greedy answers to the recipe's prompts (and to --instructions generated ones)
@@ -33,6 +34,7 @@ from benchmarks.intervals import perplexity_ratio_interval
 from benchmarks.variants import build_cached, variant
 from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
+from recipes.calibration_text import PROSE
 from recipes.default_pair import stdlib_files
 from recipes.ngram_draft import instructions
 
@@ -95,6 +97,18 @@ def config_artifact(recipe, name: str, config: tuple, out_dir: Path) -> Path:
 # which one format's luck decides perplexity: docs/benchmarks-history.md): the Python language reference's
 # topic pages that CPython ships for pydoc, the same on every machine with the same Python.
 PYTHON_DOCS = "pydoc:topics"
+# Every licence text the operating system ships (Debian's /usr/share/common-licenses), whole, in name
+# order, links and the calibration's prose (Apache-2.0) left out: one licence's ratio is mostly its own luck
+# (GPL-3's is the second highest of eleven for the default recipe), the set's is the genre's.
+LICENCES = "licences"
+LICENCE_DIR = Path("/usr/share/common-licenses")
+
+
+def licence_files(folder: Path = LICENCE_DIR) -> list[Path]:
+    files = sorted(f for f in folder.glob("*") if f.is_file() and not f.is_symlink() and f.name != PROSE.name)
+    if not files:
+        raise FileNotFoundError(f"no licence texts in {folder} (Debian's base-files ships them): pass --text FILE")
+    return files
 
 
 def held_out_texts(text_file: Path | None) -> list[str]:
@@ -104,6 +118,8 @@ def held_out_texts(text_file: Path | None) -> list[str]:
         from pydoc_data.topics import topics
 
         return ["\n\n".join(topics.values())]
+    if str(text_file) == LICENCES:
+        return [f.read_text(errors="replace") for f in licence_files()]
     return [text_file.read_text()]
 
 
@@ -242,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score")
-    parser.add_argument("--text", type=Path, help="held-out text file, or pydoc:topics (the Python reference's "
-                        "topic pages CPython ships; default: held-out stdlib modules)")
+    parser.add_argument("--text", type=Path, help="held-out text file; pydoc:topics (the Python reference's "
+                        "topic pages CPython ships); or licences (every licence text in /usr/share/common-licenses "
+                        "but the calibration's Apache-2.0); default: held-out stdlib modules")
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--instructions", type=int, default=0, help="also compare greedy answers to this many "

@@ -198,6 +198,18 @@ def test_the_python_docs_are_a_held_out_text_without_a_file():
         held_out_texts(Path("pydoc-topics-typo"))
 
 
+def test_the_licence_texts_leave_out_links_and_the_calibration_prose(tmp_path):
+    from benchmarks.accuracy import licence_files
+    from recipes.calibration_text import PROSE
+
+    for name in ("MPL-2.0", "GPL-3", PROSE.name):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "GPL").symlink_to("GPL-3")
+    assert [f.name for f in licence_files(tmp_path)] == ["GPL-3", "MPL-2.0"]
+    with pytest.raises(FileNotFoundError, match="--text FILE"):
+        licence_files(tmp_path / "none")
+
+
 def test_floor_benchmark_reports_decode_against_the_bandwidth_floor(artifact_dir, capsys):
     from benchmarks import floor
 

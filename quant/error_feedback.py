@@ -8,6 +8,11 @@ tr(E^T H E), and after rounding row k the optimal change to the rows after it is
 each block's shared exponent is chosen (by the recipe's rule, quant.mx.SCALE_CHOICES) from the block's
 values as updated when its first row comes up, and its 32 rows are then rounded on that grid.
 
+Rows are taken in GPTQ's "act order", kept to MX blocks (`act_order`): the blocks whose inputs carry
+most energy (H's diagonal) first, and within a block its rows likewise, so that the rows that matter
+most are rounded while many rows remain free to absorb their error. On SmolLM2 it lowered the mean KL
+divergence from float32 by 12% on two held-out texts against the natural order (docs/benchmarks.md).
+
 The result is float32 whose every block is exactly representable in the format, so the quant pass
 stores it with the standard quantizer unchanged (re-quantizing reproduces every value: tested) and
 the artifact's encoding, kernels and batch invariance are untouched.
@@ -38,13 +43,36 @@ def upper_inverse_factor(hessian: np.ndarray, damp: float = DAMP) -> np.ndarray:
     return np.linalg.cholesky(inverse.T @ inverse).T
 
 
+def act_order(hessian: np.ndarray) -> np.ndarray:
+    """The order in which to round a weight's K rows: whole MX blocks by decreasing sum of H's diagonal
+    (a short last block stays last), and each block's rows by decreasing diagonal. A block's rows stay
+    together, so every block still shares one exponent."""
+    energy = np.diag(hessian)
+    k = len(energy)
+    starts = sorted(range(0, k - k % BLOCK, BLOCK), key=lambda b0: -energy[b0 : b0 + BLOCK].sum())
+    starts += [k - k % BLOCK] if k % BLOCK else []
+    return np.concatenate([b0 + np.argsort(-energy[b0 : b0 + BLOCK], kind="stable") for b0 in starts])
+
+
+def feedback_factor(hessian: np.ndarray, damp: float = DAMP) -> tuple[np.ndarray, np.ndarray]:
+    """(order, u): act_order of the inputs' statistics and upper_inverse_factor of them in that order,
+    what quantize_with_feedback needs (computed once for weights that read one input)."""
+    order = act_order(hessian)
+    return order, upper_inverse_factor(hessian[np.ix_(order, order)], damp)
+
+
 def quantize_with_feedback(w: np.ndarray, u: np.ndarray, fmt: str, scale: str = "spec",
-                           rounding: str = "even") -> np.ndarray:
+                           rounding: str = "even", order: np.ndarray | None = None) -> np.ndarray:
     """W[K, N] (blocks of BLOCK along K) -> float32 values of the same shape on the MX grid of `fmt`;
-    `u` is upper_inverse_factor of the inputs' statistics (shared by weights that read one input)."""
+    `u` is upper_inverse_factor of the inputs' statistics (shared by weights that read one input),
+    taken in `order` where one is given (feedback_factor), else in the rows' own order."""
     k, n = w.shape
     if u.shape != (k, k):
         raise ValueError(f"input statistics {u.shape} do not match a weight with {k} inputs")
+    if order is not None:
+        out = np.empty((k, n), dtype=np.float32)
+        out[order] = quantize_with_feedback(w[order], u, fmt, scale, rounding)
+        return out
     work = np.array(w, dtype=np.float64)  # rows not yet rounded carry the feedback
     out = np.empty((k, n), dtype=np.float32)
     for b0 in range(0, k, BLOCK):

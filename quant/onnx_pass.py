@@ -38,7 +38,7 @@ from onnx import helper, numpy_helper
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import default_opset, embedding_tables, matmul_weights, rewrite_graph, set_default_opset
-from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
+from quant.error_feedback import feedback_factor, quantize_with_feedback
 from quant.mx import quantize
 from quant.packing import pack_fp6
 
@@ -156,7 +156,7 @@ class MXPass:
         self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
         self.hessians: dict[str, np.ndarray] | None = None  # set by the exporter where a recipe calibrates
         self.calibration = ""
-        self._last: tuple[np.ndarray, np.ndarray] | None = None
+        self._last: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
         self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
         self.embedding = embedding
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
@@ -187,7 +187,8 @@ class MXPass:
             if t.name not in self.hessians:
                 raise ValueError(f"weight {t.name!r} has no calibration statistics: the calibration run saw no "
                                  "input for it")
-            w = quantize_with_feedback(w, self._factor(self.hessians.pop(t.name)), fmt, self.scale, self.rounding)
+            order, u = self._factor(self.hessians.pop(t.name))
+            w = quantize_with_feedback(w, u, fmt, self.scale, self.rounding, order)
         codes, scales = mx_tensors(t.name, w, fmt, self.rounding, self.scale)
         self.int8_tensors += fmt == "int8"
         self.quantized[t.name] = (codes.name, scales.name)
@@ -195,10 +196,10 @@ class MXPass:
         self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
         return [codes, scales]
 
-    def _factor(self, hessian: np.ndarray) -> np.ndarray:
-        """upper_inverse_factor, once for consecutive weights that read one input (q/k/v, gate/up)."""
+    def _factor(self, hessian: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """feedback_factor, once for consecutive weights that read one input (q/k/v, gate/up)."""
         if self._last is None or self._last[0] is not hessian:
-            self._last = (hessian, upper_inverse_factor(hessian))
+            self._last = (hessian, feedback_factor(hessian))
         return self._last[1]
 
     def nodes(self, names: Iterable[str]) -> list[onnx.NodeProto]:

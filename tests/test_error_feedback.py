@@ -15,7 +15,7 @@ import torch
 from common.recipe import ModelSpec, RecipeError, recipe_from_dict
 from export.calibration import CalibrationError, calibration_tokens, float_model, input_hessians
 from export.loader import ModelNotFoundError, resolve_calibration_text
-from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
+from quant.error_feedback import act_order, feedback_factor, quantize_with_feedback, upper_inverse_factor
 from quant.mx import dequantize, fake_quantize, quantize, round_to_grid
 from quant.onnx_pass import selected
 from tests.conftest import tiny_recipe
@@ -68,8 +68,40 @@ def test_uncorrelated_inputs_give_round_to_nearest_exactly(fmt):
     w = (rng.standard_normal((64, 24)) * 0.05).astype(np.float32)
     diagonal = np.diag(rng.lognormal(0, 1, 64))
     for h in (np.eye(64), diagonal):
-        np.testing.assert_array_equal(quantize_with_feedback(w, upper_inverse_factor(h), fmt, "min_error"),
-                                      fake_quantize(w, fmt, axis=0, scale="min_error"))
+        nearest = fake_quantize(w, fmt, axis=0, scale="min_error")
+        np.testing.assert_array_equal(quantize_with_feedback(w, upper_inverse_factor(h), fmt, "min_error"), nearest)
+        order, u = feedback_factor(h)  # in act order too
+        np.testing.assert_array_equal(quantize_with_feedback(w, u, fmt, "min_error", order=order), nearest)
+
+
+def test_act_order_keeps_each_block_whole_and_takes_the_busiest_inputs_first():
+    energy = np.random.default_rng(5).lognormal(0, 1, 96 + 7)
+    order = act_order(np.diag(energy))
+    assert sorted(order) == list(range(103))
+    blocks = [order[b : b + 32] for b in range(0, 96, 32)]
+    assert sorted(sorted(b) for b in blocks) == [list(range(b, b + 32)) for b in range(0, 96, 32)]
+    assert sorted(order[96:]) == list(range(96, 103))  # the short last block stays last
+    sums = [energy[b].sum() for b in blocks]
+    assert sums == sorted(sums, reverse=True)
+    assert all(list(energy[b]) == sorted(energy[b], reverse=True) for b in [*blocks, order[96:]])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_act_order_cuts_the_output_error_where_input_scales_differ(fmt):
+    """GPTQ's act order: rounding the rows with the largest inputs first, while many rows remain to absorb
+    their error, leaves less output error than the rows' own order (measured 0.09-1.01x per seed, 0.4x
+    overall; in the rows' own order the ratio is 1 by definition)."""
+    ratios = []
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        w = (rng.standard_normal((128, 48)) * 0.05).astype(np.float32)
+        x = correlated_inputs(128, seed=seed)
+        order, u = feedback_factor(x.T @ x)
+        ordered = quantize_with_feedback(w, u, fmt, "min_error", order=order)
+        np.testing.assert_array_equal(fake_quantize(ordered, fmt, axis=0, scale="min_error"), ordered)  # on the grid
+        plain = quantize_with_feedback(w, upper_inverse_factor(x.T @ x), fmt, "min_error")
+        ratios.append(np.sum((x @ (ordered - w)) ** 2) / np.sum((x @ (plain - w)) ** 2))
+    assert np.exp(np.mean(np.log(ratios))) < 0.7 and sum(r > 1 for r in ratios) <= 2
 
 
 def test_inputs_never_seen_are_rounded_to_nearest_and_bad_statistics_refused():

@@ -34,7 +34,7 @@ from export.calibration import calibrate, float_model
 from export.loader import resolve_model_dir
 from export.onnx_export import short_name
 from quant import fake_quantize
-from quant.error_feedback import quantize_with_feedback, upper_inverse_factor
+from quant.error_feedback import feedback_factor, quantize_with_feedback
 from quant.onnx_pass import MXPass, selected
 from recipes import DEFAULT_RECIPE, get_recipe
 
@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = recipe.tlm
     hessians = (calibrate(spec.mx_calibration, spec.mx_calibration_tokens, model_dir, recipe.context_length,
                           lambda name: name in mods, progress=False, model=model)[0] if spec.mx_calibration else {})
-    factors = {id(h): upper_inverse_factor(h) for h in hessians.values()}
+    factors = {id(h): feedback_factor(h) for h in hessians.values()}
 
     def quantized(name: str, m: torch.nn.Linear, fmt: str) -> torch.Tensor:  # as the quant pass stores it
         w = m.weight.detach().numpy()  # [out, in]: blocks run along `in` (K), the graph's W^T [K, out]
         if name in hessians:
-            u = factors[id(hessians[name])]
-            return torch.from_numpy(quantize_with_feedback(w.T, u, fmt, spec.mx_scale).T.copy())
+            order, u = factors[id(hessians[name])]
+            return torch.from_numpy(quantize_with_feedback(w.T, u, fmt, spec.mx_scale, order=order).T.copy())
         return torch.from_numpy(fake_quantize(w, fmt, axis=1, scale=spec.mx_scale))
 
     numel = {name: m.weight.numel() for name, m in mods.items()}

@@ -1,13 +1,13 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
-    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics|licences]
+    python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics|os:licences]
                                   [--configs ...] [--instructions 100] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0]
                                   [--out reports]
 
 Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice (rounded
 with error feedback where the recipe names a calibration text, `+nearest` to nearest), and
 scores held-out text (the standard-library modules the default pair never saw, --text FILE,
-pydoc:topics: the Python reference's topic pages that CPython ships, or licences: the licence texts
+pydoc:topics: the Python reference's topic pages that CPython ships, or os:licences: the licence texts
 the operating system ships, but the calibration's) teacher-forced through the
 compiled graphs, in windows of the context length. Peers (onnxruntime-genai's builds, llama.cpp's
 formats of the recipe's GGUF) score the same windows in the same chunks, each also against its own
@@ -100,7 +100,7 @@ PYTHON_DOCS = "pydoc:topics"
 # Every licence text the operating system ships (Debian's /usr/share/common-licenses), whole, in name
 # order, links and the calibration's prose (Apache-2.0) left out: one licence's ratio is mostly its own luck
 # (GPL-3's is the second highest of eleven for the default recipe), the set's is the genre's.
-LICENCES = "licences"
+LICENCES = "os:licences"
 LICENCE_DIR = Path("/usr/share/common-licenses")
 
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score")
     parser.add_argument("--text", type=Path, help="held-out text file; pydoc:topics (the Python reference's "
-                        "topic pages CPython ships); or licences (every licence text in /usr/share/common-licenses "
+                        "topic pages CPython ships); or os:licences (every licence text in /usr/share/common-licenses "
                         "but the calibration's Apache-2.0); default: held-out stdlib modules")
     parser.add_argument("--out", type=Path, default=Path("reports"))
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")

@@ -31,24 +31,26 @@ import numpy as np
 
 import runtime
 from benchmarks.intervals import perplexity_ratio_interval
+from benchmarks.peers import Genai, llama_cpp_module, llama_file
 from benchmarks.variants import build_cached, variant
+from common.recipe import selects_head
 from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.calibration_text import PROSE
 from recipes.default_pair import stdlib_files
 from recipes.ngram_draft import instructions
 
-# Other TLM settings, whatever the recipe says: every weight in the MX format with a float32 LM head;
-# the LM head in MXFP6 too; the LM head in MXINT8 (8.25 bits per weight).
-PLAIN = {"mx_int8": (), "mx_lm_head": False}
-HEAD6 = {"mx_int8": (), "mx_lm_head": True}
-HEAD8 = {"mx_int8": ("lm_head",), "mx_lm_head": False}
-ALL_INT8 = {"mx_int8": ("proj", "lm_head"), "mx_lm_head": False}  # every decoder linear and the head in MXINT8
-# The tensors that cost SmolLM2 most agreement in MXFP6 (docs/benchmarks-history.md), in MXINT8: attention, the MLP's
+# Other TLM settings, whatever the recipe says: every decoder weight in the MX format with a float32 LM
+# head; the LM head in the MX format too; the LM head in MXINT8 (8.25 bits per weight; the default).
+PLAIN = {"mx_int8": (), "mx_lm_head": "float32"}
+HEAD6 = {"mx_int8": (), "mx_lm_head": "format"}
+HEAD8 = {"mx_int8": (), "mx_lm_head": "int8"}
+ALL_INT8 = {"mx_int8": ("proj",), "mx_lm_head": "int8"}  # every decoder linear and the head in MXINT8
+# The tensors that cost SmolLM2 most agreement in MXFP6 (docs/formats.md), in MXINT8: attention, the MLP's
 # down projection, the last layer and the head.
-SENSITIVE8 = {"mx_int8": ("lm_head", "self_attn", "down_proj", "layers.29."), "mx_lm_head": False}
+SENSITIVE8 = {"mx_int8": ("self_attn", "down_proj", "layers.29."), "mx_lm_head": "int8"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
-FLOAT_EMBEDDING = {"mx_embedding": False}  # and store the embedding table MXINT8 where the recipe does
+FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
@@ -77,7 +79,8 @@ BLOCK = 256
 def with_int8(fragment_lists: list[str]) -> dict[str, tuple]:
     """CONFIGS plus, per comma-separated fragment list, MXFP6 native with those weights in MXINT8."""
     return CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
-                                                              PLAIN | {"mx_int8": tuple(f.split(","))})
+                                                              (HEAD8 if selects_head(tuple(f.split(","))) else PLAIN)
+                                                              | {"mx_int8": tuple(f.split(","))})
                       for f in fragment_lists}
 
 
@@ -190,9 +193,7 @@ def genai_score(model, tokens: np.ndarray, window: int, chunk: int) -> tuple[np.
 def llama_score(path: Path, tokens: np.ndarray, window: int, chunk: int, threads: int = 2
                 ) -> tuple[np.ndarray, np.ndarray]:
     """`score` for a llama.cpp model file: the same windows and chunks, its own KV cache."""
-    from benchmarks.vs_llamacpp import _llama_cpp
-
-    llm = _llama_cpp().Llama(str(path), n_ctx=window, n_batch=chunk, logits_all=True, n_threads=threads,
+    llm = llama_cpp_module().Llama(str(path), n_ctx=window, n_batch=chunk, logits_all=True, n_threads=threads,
                              n_threads_batch=threads, verbose=False)
     last = None
 
@@ -326,13 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, system, precision, reference in families:
         source = gguf_file(recipe.tlm.model)
         if system == "genai":
-            from benchmarks.vs_llamacpp import Genai
-
             nll, top1 = genai_score(Genai(source, precision, threads=2).model, tokens, recipe.context_length,
                                     recipe.prefill_chunk)
         else:
-            from benchmarks.vs_llamacpp import llama_file
-
             nll, top1 = llama_score(llama_file(source, precision), tokens, recipe.context_length, recipe.prefill_chunk)
         if precision == reference:
             own_top1[system] = top1

@@ -12,7 +12,7 @@ import argparse
 import os
 import time
 
-from recipes.default_pair import builtin_model_dir
+from recipes.builtin import builtin_model_dir
 from runtime.results import TextPieces
 from runtime.tokenizer import Tokenizer
 

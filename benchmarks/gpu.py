@@ -15,7 +15,7 @@ graph (from its profile: a CPU-placed MatMulNBits would be a silent fallback), a
 costs by what ran before it (`call_pattern`: a decode call after a decode call or after a scoring
 call, a scoring call, a commit; speculation alternates them). `--genai` adds
 onnxruntime-genai's CUDA builds of the same GGUF (onnxruntime-genai-cuda,
-benchmarks.vs_llamacpp.Genai), timed in the same rounds on the same prompt token ids, and each of
+benchmarks.peers.Genai), timed in the same rounds on the same prompt token ids, and each of
 our artifacts' CUDA-graph speed over theirs.
 """
 
@@ -33,7 +33,7 @@ import onnxruntime as ort
 import runtime
 from benchmarks.bandwidth import gpu_name, gpu_read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.mx_decode import LONG_ANSWER
-from benchmarks.vs_llamacpp import Genai
+from benchmarks.peers import Genai
 from common import graph_io
 from common.manifest import read_manifest
 from common.targets import DEVICE, compiled_session_options, providers

@@ -1,7 +1,7 @@
 """What one more row costs ONNX Runtime's CPU kernels: the floor under a scoring call's price.
 
     python -m benchmarks.matmul_rows [--layers 24] [--repeats 10] [--kinds "mxfp6 native,mxint8 native"]
-                                     [--columns 8192] [--threads N] [--baseline OTHER.so]
+                                     [--columns 8192] [--rows 1,2,3,5,9] [--threads N] [--baseline OTHER.so]
 
 A K+1-token scoring call reads the same weights as a decode step, so at the bandwidth floor it
 would cost one step. This times the kernels alone, on a stack of 1024 x 8192 weights as large as the
@@ -16,7 +16,8 @@ elementwise ops) comes on top of these ratios.
 libraries in one process, alternated call batch by call batch, checks that they give the same bits,
 and prints baseline / installed: on a noisy shared box, a fairer comparison than two runs. A small
 stack (`--layers 16 --columns 512 --threads 1`: 6 MB of MXFP6, within the L3 cache) times the kernels'
-arithmetic rather than memory.
+arithmetic rather than memory. `--rows 16,64,128` times calls of many rows (prefill, a server's batched
+step), where the arithmetic sets the pace.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL, preferred_mx_layout, require_
 from kernels.layout import BLOCK_BYTES, GROUP, TRIPLES, pack_columns, pack_int8_columns, pack_panels
 
 K, N = 1024, 8192
-ROWS = (1, 2, 3, 5, 9)
+ROWS = "1,2,3,5,9"
 KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
 # The MX kinds of mxspd's kernel library: (weight bits, activation bits).
 NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
@@ -111,11 +112,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="intra-op threads (default: every core)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--rows", default=ROWS, help="comma-separated rows per call (M); the first is the reference")
     ap.add_argument("--baseline", type=Path, help="another build of the kernel library, for its kinds")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
         ap.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    try:
+        rows = [int(m) for m in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if min(rows) < 1:
+        ap.error("--rows must be positive")
     if args.columns <= 0 or args.columns % GROUP:
         ap.error(f"--columns must be a positive multiple of {GROUP}")
     if args.baseline is not None and not args.baseline.is_file():
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         for kind, (sessions, nbytes) in runs.items():
             ms: dict[str, dict[int, float]] = {name: {} for name in sessions}
             calls = max(1, int(2e8 / nbytes))  # per timing: enough to dwarf a call's own overhead
-            for m in ROWS:
+            for m in rows:
                 x = rng.standard_normal((m, K)).astype(np.float32)
                 outs = {name: s.run(None, {"x": x}) for name, s in sessions.items()}  # warm-up, and the values
                 if "baseline" in outs and any(not np.array_equal(a, b, equal_nan=True)
@@ -155,9 +163,13 @@ def main(argv: list[str] | None = None) -> None:
                 for name, t in times.items():
                     ms[name][m] = float(np.median(t) * 1e3)
             mine = ms["installed"]
-            out[kind] = {"weights_mb": round(nbytes / 1e6, 1), "GB_per_s_at_1_row": round(nbytes / mine[1] / 1e6, 1),
+            first = rows[0]
+            out[kind] = {"weights_mb": round(nbytes / 1e6, 1),
+                         f"GB_per_s_at_{first}_rows": round(nbytes / mine[first] / 1e6, 1),
+                         f"G_MACs_per_s_at_{rows[-1]}_rows": round(args.layers * K * args.columns * rows[-1]
+                                                                   / mine[rows[-1]] / 1e6, 1),
                          "ms": {m: round(v, 3) for m, v in mine.items()},
-                         "over_1_row": {m: round(v / mine[1], 3) for m, v in mine.items()}}
+                         f"over_{first}_rows": {m: round(v / mine[first], 3) for m, v in mine.items()}}
             if "baseline" in ms:
                 out[kind]["baseline_ms"] = {m: round(v, 3) for m, v in ms["baseline"].items()}
                 out[kind]["speedup_over_baseline"] = {m: round(ms["baseline"][m] / v, 3) for m, v in mine.items()}

@@ -14,8 +14,8 @@ new tokens (each gathers its embedding row, and the kernel maps the pages around
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -48,8 +48,12 @@ def weights_file_mib(art_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    art_dir = Path(sys.argv[1])
-    heap = "--heap-prepacked" in sys.argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--heap-prepacked", action="store_true", help="load a copy without its prepacked weights")
+    ap.add_argument("--answers", action="store_true", help="then answer the recipe's prompts (64 new tokens each)")
+    args = ap.parse_args()
+    art_dir, heap = args.artifact, args.heap_prepacked
     import runtime
     from benchmarks.variants import heap_prepacked_copy, prepacked_bytes
 
@@ -61,7 +65,7 @@ def main() -> None:
         runtime.generate(art, [0, 5, 6, 7], max_new_tokens=16, speculative=False)
         after = smaps_mib()
         answered = {}
-        if "--answers" in sys.argv:
+        if args.answers:
             for prompt in art.manifest.recipe.get("prompts", []):
                 runtime.generate(art, prompt, max_new_tokens=64, speculative=False)
             answered = {"after_answers_mib": {k: round(v, 1) for k, v in smaps_mib().items()},

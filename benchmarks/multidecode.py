@@ -31,7 +31,7 @@ from benchmarks.variants import build_cached
 from common.cache import cache_root
 from common.recipe import ModelSpec, Recipe
 from recipes import get_recipe
-from recipes.default_pair import builtin_model_dir
+from recipes.builtin import builtin_model_dir
 
 CONTEXT = ('import os\n\n\ndef list_python_files(root):\n    """Return the paths of the Python files under root."""\n'
            '    paths = []\n    for folder, _, names in os.walk(root):\n        for name in names:\n'

@@ -45,6 +45,7 @@ from runtime.request import encode_prompt
 
 ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "fp32": (None, "exact", {}),
+    "mxfp6": ("fp6_e2m3", "native", {}),  # the recipe's own MX settings (a plain one: head and table MXINT8)
     "mxfp6_fused": ("fp6_e2m3", "fused", PLAIN),
     "mxfp6_native": ("fp6_e2m3", "native", PLAIN),
     "mxfp6_native8": ("fp6_e2m3", "native8", PLAIN),

@@ -3,20 +3,18 @@
     python -m benchmarks.sensitivity [--recipe smollm2-135m-chat] [--text FILE|pydoc:topics] [--tokens 1024]
                                      [--by kind|layer|tensor] [--base-int8 lm_head] [--out reports]
 
-How a recipe's `mx_int8` list is chosen (docs/benchmarks-history.md, Accuracy). transformers' float32 model
-of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the first
---tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
-project's quantizer as the quant pass would store them: the recipe's format, exponent choice and
-rounding (with error feedback over its `mx_calibration` text where it names one),
-MXINT8 for the weights named by --base-int8 (fragments, as `mx_int8`; the LM head by default), the
-LM head float32 unless named there or `mx_lm_head` is set. That base's mean KL divergence from float32 (nats per token)
-and top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's
-linears, or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and
-gain per extra MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text:
-the Apache-2.0 licence Debian ships, which benchmarks.accuracy does not evaluate on (but which
-smollm2-135m-chat's calibration text begins with: score such a recipe on another --text).
-Deterministic: one run.
-"""
+How a recipe's `mx_int8` list is chosen (docs/benchmarks-history.md, Accuracy). transformers' float32
+model of the recipe's TLM (streamed from its checkpoint or GGUF as the exporter reads it) scores the
+first --tokens tokens of a calibration text; then the same model with its linears fake-quantized by the
+project's quantizer as the quant pass would store them: the recipe's format, exponent choice and rounding
+(with error feedback over its `mx_calibration` text where it names one), MXINT8 for the weights named by
+--base-int8 (fragments, as `mx_int8`; the LM head by default), the LM head float32 unless named there or
+the recipe says `mx_lm_head = "format"`. That base's mean KL divergence from float32 (nats per token) and
+top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's linears,
+or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and gain per extra
+MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text: the Apache-2.0
+licence Debian ships, which benchmarks.accuracy does not evaluate on (but which smollm2-135m-chat's
+calibration text begins with: score such a recipe on another --text). Deterministic: one run. """
 
 from __future__ import annotations
 
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         ap.error(f"no calibration text at {args.text}: pass --text FILE, or pydoc:topics (shipped with Python)")
     base_int8 = tuple(f for f in args.base_int8.split(",") if f)
-    quant = MXPass(recipe.tlm.mx_format, recipe.tlm.mx_lm_head, scale=recipe.tlm.mx_scale, int8=base_int8)
+    quant = MXPass(recipe.tlm.mx_format, recipe.tlm.mx_lm_head == "format", scale=recipe.tlm.mx_scale, int8=base_int8)
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(recipe.tlm.model, "tlm")
     model = float_model(model_dir, recipe.context_length)

@@ -49,9 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(proc: subprocess.Popen, base: str, probe: str = "/health") -> str:
+def wait_ready(proc: subprocess.Popen, base: str, probe: str = "/health", timeout_s: float = 120) -> str:
     """Wait for a server process to answer `probe`; its completions URL."""
-    deadline = time.time() + 120
+    deadline = time.time() + timeout_s
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{base}{probe}").status_code == 200:

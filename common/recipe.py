@@ -21,6 +21,13 @@ MX_LOWERINGS = ("native", "native8", "fused", "exact")
 # How the quantizer picks each MX block's shared exponent (quant.mx.SCALE_CHOICES; the encoding is
 # standard MX either way): the spec's rule, or whichever of it and the one above errs less.
 MX_SCALES = ("spec", "min_error")
+# How a model with MX weights stores its LM head and its token embedding table, both read every token
+# (at Llama-2-7B widths a float32 head is 524 of the 1,155 MB one decode step reads): MXINT8 (8.25 bits
+# per weight; the default: on SmolLM2 an MXINT8 head kept top-1 agreement with float32 at 90.2% where an
+# MXFP6 head fell to 85.7%, docs/formats.md), the head in the recipe's own mx_format, or float32.
+MX_LM_HEADS = ("int8", "format", "float32")
+MX_EMBEDDINGS = ("int8", "float32")
+LM_HEAD_WEIGHT = "lm_head.weight.T"  # the LM head's MatMul weight in the exported graphs
 TARGETS = ("ort-cpu", "ort-cuda")
 # What drafts the tokens the TLM verifies: the draft model, n-grams of the text so far, or
 # lookahead decoding's Jacobi n-gram pool (the last two need no draft model).
@@ -39,19 +46,39 @@ class ModelSpec:
     model: str  # local path, Hugging Face id (resolved in the local cache only) or builtin:NAME
     dtype: str = "float32"
     mx_format: str | None = None
-    mx_lm_head: bool = False
+    mx_lm_head: str = "int8"  # MX_LM_HEADS; with mx_format only
     mx_lowering: str = "native"
     mx_scale: str = "spec"
     # Name fragments of the weights stored MXINT8 (8.25 bits per weight) instead of mx_format:
-    # "lm_head" quantizes the LM head in MXINT8; e.g. "down_proj" or "layers.0." for sensitive ones.
+    # e.g. "down_proj" or "layers.0." for sensitive ones (the LM head: mx_lm_head).
     mx_int8: tuple[str, ...] = ()
     # A text the model reads so that the MX quantizer rounds with error feedback (GPTQ-style,
     # quant/error_feedback.py): builtin:NAME (recipes/builtin/NAME.txt) or a path; "": round to nearest.
     mx_calibration: str = ""
     mx_calibration_tokens: int = 2048
-    # The token embedding table in MXINT8 too (8.25 bits per weight; gathered row by row, then
-    # dequantized): in float32 it is the largest tensor of a small model's artifact.
-    mx_embedding: bool = False
+    # The token embedding table (MX_EMBEDDINGS; with mx_format only): MXINT8 blocks gathered row by row,
+    # then dequantized; in float32 it is the largest tensor of a small model's artifact.
+    mx_embedding: str = "int8"
+
+    @property
+    def mx_head(self) -> bool:
+        """The LM head is stored in MX blocks (MXINT8 or mx_format)."""
+        return self.mx_format is not None and self.mx_lm_head != "float32"
+
+    @property
+    def mx_int8_fragments(self) -> tuple[str, ...]:
+        """Name fragments of the weights stored MXINT8: mx_int8's, and the LM head's where it is MXINT8."""
+        head = ("lm_head",) if self.mx_lm_head == "int8" and not selects_head(self.mx_int8) else ()
+        return self.mx_int8 + head
+
+    @property
+    def mx_table(self) -> bool:
+        """The token embedding table is stored MXINT8."""
+        return self.mx_format is not None and self.mx_embedding == "int8"
+
+
+def selects_head(fragments: tuple[str, ...]) -> bool:
+    return any(f in LM_HEAD_WEIGHT for f in fragments)
 
 
 @dataclass(frozen=True)
@@ -165,7 +192,7 @@ class Recipe:
 def with_mx_format(spec: ModelSpec, mx_format: str | None) -> ModelSpec:
     """`spec` in another MX format; None (float weights) drops the settings that only MX weights have."""
     if mx_format is None:
-        return replace(spec, mx_format=None, mx_int8=(), mx_lm_head=False, mx_calibration="", mx_embedding=False)
+        return replace(spec, mx_format=None, mx_int8=(), mx_calibration="")
     return replace(spec, mx_format=mx_format)
 
 
@@ -186,6 +213,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise RecipeError(f"{path}: expected a list of strings")
             value = tuple(value)
+        elif key in ("mx_lm_head", "mx_embedding") and isinstance(value, bool):
+            raise RecipeError(f'{path}: expected a string, "int8" (the default) or "float32"' +
+                              (' or "format"' if key == "mx_lm_head" else "") + ", not a boolean (its earlier form)")
         else:
             _check_scalar(kind, value, path)
         kwargs[key] = value
@@ -213,9 +243,15 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
-    if spec.mx_format is None and (spec.mx_int8 or spec.mx_lm_head or spec.mx_calibration or spec.mx_embedding):
-        raise RecipeError(f"{where}: mx_int8, mx_lm_head, mx_calibration and mx_embedding need mx_format (MX weights) "
-                          "to be set")
+    if spec.mx_format is None and (spec.mx_int8 or spec.mx_calibration):
+        raise RecipeError(f"{where}: mx_int8 and mx_calibration need mx_format (MX weights) to be set")
+    if spec.mx_lm_head not in MX_LM_HEADS:
+        raise RecipeError(f"{where}.mx_lm_head: {spec.mx_lm_head!r} is not one of {MX_LM_HEADS}")
+    if spec.mx_embedding not in MX_EMBEDDINGS:
+        raise RecipeError(f"{where}.mx_embedding: {spec.mx_embedding!r} is not one of {MX_EMBEDDINGS}")
+    if spec.mx_lm_head != "int8" and selects_head(spec.mx_int8):
+        raise RecipeError(f"{where}: mx_int8 {list(spec.mx_int8)} names the LM head, but mx_lm_head is "
+                          f"{spec.mx_lm_head!r}: set mx_lm_head = \"int8\" (the default) instead")
     if spec.mx_calibration_tokens < MIN_CALIBRATION_TOKENS:
         raise RecipeError(f"{where}.mx_calibration_tokens: must be >= {MIN_CALIBRATION_TOKENS}, "
                           f"got {spec.mx_calibration_tokens}")

@@ -33,7 +33,7 @@ def hf_cache_dir() -> Path:
 def resolve_model_dir(reference: str, role: str = "model") -> Path:
     """Map a reference to a local folder holding config.json, or raise ModelNotFoundError."""
     if reference.startswith("builtin:"):
-        from recipes.default_pair import builtin_model_dir
+        from recipes.builtin import builtin_model_dir
 
         return builtin_model_dir(reference.removeprefix("builtin:"))
     from export.gguf_checkpoint import gguf_file, is_gguf_reference, metadata_dir

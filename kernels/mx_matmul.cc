@@ -49,6 +49,7 @@
 #include <cstring>
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "ort_api.h"
 #include "prologue.h"
@@ -369,15 +370,16 @@ __attribute__((target("avx2,fma"))) inline void scales_avx2(const uint8_t* e8, _
   }
 }
 
-// The weights 1 KiB past a block, asked for while it is multiplied: a call's weights are one stream per
-// thread, but the hardware prefetcher stops at each 4 KiB page (docs/benchmarks-history.md: 1.03-1.04x MXFP6 and
-// 1.10-1.12x MXINT8 at one row on a Zen 3). As an integer: the address may lie past the weights, where a
-// prefetch does nothing.
-template <int WBits>
-inline void prefetch_ahead_avx2(const uint8_t* block) {
-  constexpr uintptr_t kAhead = 1024;
+// The weights `Ahead` bytes past a block, asked for while it is multiplied: a call's weights are one
+// stream per thread, but the hardware prefetcher stops at each 4 KiB page. 1 KiB ahead on the AVX2 path
+// (docs/benchmarks-history.md: 1.03-1.04x MXFP6 and 1.10-1.12x MXINT8 at one row on a Zen 3); a page
+// ahead on the AVX-512 path (docs/benchmarks.md: on an Intel Xeon, one row 1.2x faster with 1 KiB than
+// without, and 1.23-1.26x faster again with 4 KiB; 8 KiB no better). As an integer: the address may lie
+// past the weights, where a prefetch does nothing.
+template <int WBits, uintptr_t Ahead>
+inline void prefetch_ahead(const uint8_t* block) {
   for (int line = 0; line < kGroupBlockBytes<WBits>; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(block) + kAhead + line));
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(block) + Ahead + line));
 }
 
 template <int WBits, int Rows, bool Planes>
@@ -386,7 +388,7 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
-    prefetch_ahead_avx2<WBits>(blk);
+    prefetch_ahead<WBits, 1024>(blk);
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     __m256i sum[Rows][2];  // in ColumnOrder
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
@@ -480,6 +482,7 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
+    prefetch_ahead<WBits, 4096>(blk);
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
     __m512i sum[Rows][kChains];
     for (int r = 0; r < Rows; ++r)
@@ -504,6 +507,116 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g)) - 1);
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
+}
+
+// ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
+// A task takes two column groups, decodes all their blocks once into int16 (2 KiB per block, kept in L2),
+// then passes over them for every kGemmRows rows: per chunk 4 loads and 2 broadcasts per row feed 4 dot
+// products per row, where the one-row kernel above decodes each chunk again in every pass. Each row's
+// integer block sums, and the float operations after them, are the same as on the other paths: the
+// same bits whatever the path (batch invariance).
+
+constexpr int kGemmRows = 6;  // rows per pass: 6 x 2 groups of integer sums and float accumulators
+// Calls with at least this many rows take this path: where it was faster on an Intel Xeon (MXFP6 1.05x at
+// 24 rows, 1.22x at 64; MXINT8, whose chunks cost the one-row kernel only a widening, 1.08x at 64 and
+// slower below 48). Its rate there, ~0.8 int16 dot-product instructions per cycle, is near the one such
+// instruction a cycle that core issues: int16 activations cap a CPU's many-row rate (docs/benchmarks.md).
+template <int WBits>
+constexpr int kGemmMinRows = WBits == 8 ? 48 : 24;
+constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair: [w0 g0, w0 g1, w1 g0, w1 g1] x 32 int16
+
+// A thread's decoded group pair, [KB, 8 chunks, kPairShorts], 64-byte aligned (reused call after call).
+struct DecodedPair {
+  std::vector<int16_t> storage;
+  int16_t* get(int64_t shorts) {
+    storage.resize(shorts + 32);
+    const auto at = reinterpret_cast<uintptr_t>(storage.data());
+    return reinterpret_cast<int16_t*>((at + 63) & ~uintptr_t{63});
+  }
+};
+
+template <int WBits>
+__attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>& p, int64_t g0, int groups,
+                                                           int16_t* out) {
+  for (int64_t b = 0; b < p.kb; ++b)
+    for (int h = 0; h < groups; ++h) {
+      const uint8_t* blk = p.block(g0 + h, b);
+      prefetch_ahead<WBits, 4096>(blk);
+      for (int q = 0; q < kChunks; ++q) {
+        __m512i w0, w1;
+        chunk_avx512<WBits>(blk + q * kChunkBytes<WBits>, &w0, &w1);
+        int16_t* at = out + (b * kChunks + q) * kPairShorts;
+        _mm512_store_si512(at + h * 32, w0);
+        _mm512_store_si512(at + (2 + h) * 32, w1);
+      }
+    }
+}
+
+template <int WBits, int Rows, int Groups>
+__attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& p, int64_t g0, const int16_t* dec,
+                                                         int64_t row0) {
+  __m512 acc[Rows][Groups];
+  for (int r = 0; r < Rows; ++r)
+    for (int h = 0; h < Groups; ++h) acc[r][h] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
+    const int16_t* d = dec + b * kChunks * kPairShorts;
+    __m512i sum[Rows][Groups];
+    for (int r = 0; r < Rows; ++r)
+      for (int h = 0; h < Groups; ++h) sum[r][h] = _mm512_setzero_si512();
+    for (int q = 0; q < kChunks; ++q) {
+      __m512i w0[Groups], w1[Groups];
+      for (int h = 0; h < Groups; ++h) {
+        w0[h] = _mm512_load_si512(d + q * kPairShorts + h * 32);
+        w1[h] = _mm512_load_si512(d + q * kPairShorts + (2 + h) * 32);
+      }
+      for (int r = 0; r < Rows; ++r) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
+        std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
+        const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+        for (int h = 0; h < Groups; ++h)
+          sum[r][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][h], w0[h], b0), w1[h], b1);
+      }
+    }
+    const float* xs = p.x_scale(row0, b);
+    for (int h = 0; h < Groups; ++h) {
+      const __m512 ws = scales_avx512<WBits>(p.exponents(g0 + h, b));
+      for (int r = 0; r < Rows; ++r)
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[r])),
+                                    acc[r][h]);
+    }
+  }
+  for (int h = 0; h < Groups; ++h) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g0 + h)) - 1);
+    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + (g0 + h) * kGroup, valid, acc[r][h]);
+  }
+}
+
+template <int WBits, int Groups, size_t... Rows>
+constexpr auto gemm_by_rows(std::index_sequence<Rows...>) {
+  using Pass = void (*)(const Problem<WBits>&, int64_t, const int16_t*, int64_t);
+  return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, static_cast<int>(Rows + 1), Groups>...};
+}
+
+// One task of the many-row path: column groups 2i and 2i + 1 (the last alone where their count is odd),
+// decoded once, then every row in passes of up to kGemmRows, the rows split evenly.
+template <int WBits>
+void gemm_tile(void* user, size_t index) {
+  const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
+  static constexpr auto two = gemm_by_rows<WBits, 2>(std::make_index_sequence<kGemmRows>());
+  static constexpr auto one = gemm_by_rows<WBits, 1>(std::make_index_sequence<kGemmRows>());
+  const int64_t g0 = 2 * static_cast<int64_t>(index);
+  const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
+  thread_local DecodedPair decoded;
+  int16_t* dec = decoded.get(p.kb * kChunks * kPairShorts);
+  decode_pair(p, g0, groups, dec);
+  const int64_t passes = (p.m + kGemmRows - 1) / kGemmRows;
+  for (int64_t i = 0, row = 0; i < passes; ++i) {
+    const int64_t rows = (p.m - row) / (passes - i);
+    (groups == 2 ? two : one)[rows - 1](p, g0, dec, row);
+    row += rows;
+  }
 }
 
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
@@ -557,7 +670,12 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
   x.fill(a, m, k, kb, activation_bits == 8 ? 127.0f : 32767.0f);
   Problem<WBits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s),
                    y, m, n, kb, layout};
-  return g_api.parallel_for(ctx, tile<WBits>, static_cast<size_t>((n + kGroup - 1) / kGroup), &p);
+  const auto groups = static_cast<size_t>((n + kGroup - 1) / kGroup);
+#ifdef MXSPD_X86
+  if (kHasAvx512Vbmi && layout == kTriples && m >= kGemmMinRows<WBits>)
+    return g_api.parallel_for(ctx, gemm_tile<WBits>, (groups + 1) / 2, &p);
+#endif
+  return g_api.parallel_for(ctx, tile<WBits>, groups, &p);
 }
 
 // ---- the op ---------------------------------------------------------------------------------------

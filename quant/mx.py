@@ -352,4 +352,11 @@ def benchmark(
 
 
 if __name__ == "__main__":
-    benchmark()
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m quant.mx", description="How long quantizing one Llama-7B MLP-sized "
+                                 "matrix takes, and what that makes of a 7B model's export.")
+    ap.add_argument("--format", default="fp6_e2m3", choices=sorted(FORMATS))
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    benchmark(fmt=args.format, repeats=args.repeats)

@@ -166,20 +166,14 @@ def perplexity(model: LlamaForCausalLM, stream: np.ndarray, seq_len: int = 256) 
     return math.exp(total / count)
 
 
-def builtin_model_dir(name: str) -> Path:
-    """The shipped checkpoint folder of a builtin model (widened ones are built into the cache on first use)."""
-    from recipes import distill, widen  # late: both call back into this module
-
-    if name in widen.WIDE_MODELS:
-        return widen.wide_model_dir(name)
-    shipped = {**CONFIGS, **distill.DISTILLED}
-    if name not in shipped:
-        raise ValueError(f"unknown builtin model {name!r}; available: {sorted(shipped) + sorted(widen.WIDE_MODELS)}")
+def shipped_model_dir(name: str, rebuild: str = "recipes.default_pair") -> Path:
+    """A checkpoint folder shipped in recipes/builtin/; FileNotFoundError (saying how to rebuild it) if
+    its files are missing. `rebuild`: the module that trains it."""
     target = BUILTIN_DIR / name
     if not (target / "config.json").is_file() or not (target / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"builtin model {name!r} is missing from {target}: reinstall the package, or rebuild it with "
-            f"`python -m recipes.{'distill' if name in distill.DISTILLED else 'default_pair'}`"
+            f"`python -m {rebuild}`"
         )
     return target
 

@@ -47,6 +47,7 @@ from transformers.utils import logging as hf_logging
 
 from common.cache import cache_root
 from common.staging import MARKER, OutputExistsError, clean_stale, make_staging
+from recipes.default_pair import shipped_model_dir
 
 WIDE_R = 4
 # builtin name -> (shipped model it is widened from, r)
@@ -206,10 +207,8 @@ def wide_model_dir(name: str) -> Path:
 
     Rebuilt when the shipped source weights change (the record keeps their sha256).
     """
-    from recipes.default_pair import builtin_model_dir
-
     source_name, r = WIDE_MODELS[name]
-    source_dir = builtin_model_dir(source_name)
+    source_dir = shipped_model_dir(source_name)
     target = cache_root() / "builtin" / name
     if not _is_current(target, source_dir, r):
         build(source_dir, r, target)
@@ -218,8 +217,6 @@ def wide_model_dir(name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Build the widened stdlib TLM and print its size and build time."""
-    from recipes.default_pair import builtin_model_dir
-
     parser = argparse.ArgumentParser(prog="python -m recipes.widen", description=main.__doc__)
     parser.add_argument("--r", type=int, default=WIDE_R, help=f"width multiplier (default {WIDE_R})")
     parser.add_argument("--out", type=Path, help="default: the builtin cache folder of stdlib-tlm-wide (r = 4 only)")
@@ -231,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.r != WIDE_R:
             parser.error(f"--r {args.r} needs --out (the cache folder holds the r = {WIDE_R} model)")
         out = cache_root() / "builtin" / "stdlib-tlm-wide"
-    record = build(builtin_model_dir("stdlib-tlm"), args.r, out)
+    record = build(shipped_model_dir("stdlib-tlm"), args.r, out)
     print(f"{out}: r={args.r}, {record['parameters']:,} parameters "
           f"(from {record['source_parameters']:,}), built in {record['seconds']:.1f} s")
 

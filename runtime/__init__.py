@@ -1,9 +1,10 @@
 """Host runtime: load a compiled artifact and generate (autoregressive, speculative, MultiDecode)."""
 
-from runtime.artifact import Artifact, ArtifactBusyError, load_artifact
+from runtime.artifact import Artifact, ArtifactBusyError
 from runtime.beam_search import BeamSearchResult, BeamSequence, beam_search
 from runtime.forest import CapacityError
 from runtime.generate import generate, stream
+from runtime.load import load_artifact
 from runtime.model_runner import NonFiniteLogitsError
 from runtime.multi import MultiMetrics, MultiResult, generate_multi, stream_branches
 from runtime.request import PromptTooLongError

@@ -1,4 +1,5 @@
-"""Loads a compiled artifact once (checked against its manifest) for repeated generation calls."""
+"""An artifact opened once (checked against its manifest) for repeated generation calls: its runners,
+tokenizer and n-gram table (runtime/load.py warms it up for the recipe's generation)."""
 
 from __future__ import annotations
 
@@ -101,11 +102,11 @@ def memory_needed(path: Path, manifest: Manifest) -> int:
     return total
 
 
-def load_artifact(path: str | Path, verify: bool = True, threads: int | None = None, device_cache: bool | None = None,
+def open_artifact(path: str | Path, verify: bool = True, threads: int | None = None, device_cache: bool | None = None,
                   cuda_graph: bool | None = None) -> Artifact:
-    """Check and load an artifact; refuses a missing, corrupted or incompatible one (ArtifactError,
-    TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime version, or a
-    GPU target without a usable GPU). `device_cache`, `cuda_graph`: see ModelRunner."""
+    """Check and open an artifact, its graphs not run yet; refuses a missing, corrupted or incompatible one
+    (ArtifactError, TargetUnavailableError for prepacked weights built for another CPU or ONNX Runtime
+    version, or a GPU target without a usable GPU). `device_cache`, `cuda_graph`: see ModelRunner."""
     start = time.perf_counter()
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
@@ -136,20 +137,9 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
                                 f"the TLM has {manifest.models['tlm'].dims.vocab_size}")
     art = Artifact(path=path, manifest=manifest, tokenizer=tokenizer, runners=runners, load_seconds=0.0,
                    ngram_table=table)
-    _warm_up(art)
     eos = set(manifest.models["tlm"].eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     art.eos_token_ids = frozenset(eos)
     art.load_seconds = time.perf_counter() - start
     return art
-
-
-def _warm_up(art: Artifact) -> None:
-    """Run once the graphs a generation as the recipe says (its speculation method, if on) calls, so
-    that the first generation's first token and first probe do not pay the sessions' first runs."""
-    from runtime.request import method_settings, speculation_method
-    from runtime.speculative import warm_up
-
-    method = speculation_method(art, None)
-    warm_up(art, method, method_settings(art, method, None, None))

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import Artifact, load_artifact
+from runtime.artifact import Artifact
 from runtime.forest import Forest
+from runtime.load import load_artifact
 from runtime.multi import MultiMetrics, check_capacity
 from runtime.request import check_int, check_optional_bool, decoding, encode_prompt
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from common import graph_io
-from runtime.artifact import Artifact, load_artifact
+from runtime.artifact import Artifact
+from runtime.load import load_artifact
 from runtime.multi import MultiResult, collect, start_branches
 from runtime.request import (
     check_draft_length,

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.artifact import Artifact, load_artifact
+from runtime.artifact import Artifact
 from runtime.forest import Branch, CapacityError, Forest
+from runtime.load import load_artifact
 from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
 from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
 from runtime.sampling import next_token

@@ -33,8 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.manifest import ArtifactError
-from runtime.artifact import Artifact, load_artifact
+from runtime.artifact import Artifact
 from runtime.forest import CapacityError
+from runtime.load import load_artifact
 from runtime.request import batched_speculation, decoding, encode_prompt
 from runtime.results import TextPieces
 from serve import scheduler as sched

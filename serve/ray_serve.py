@@ -16,7 +16,7 @@ from pathlib import Path
 from ray import serve
 
 from common.manifest import read_manifest
-from runtime.artifact import load_artifact
+from runtime.load import load_artifact
 from serve.app import API_KEY_ENV, check_exposure, create_app, positive
 
 

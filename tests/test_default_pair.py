@@ -13,7 +13,8 @@ from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from export.loader import resolve_model_dir
 from recipes import default_pair
-from recipes.default_pair import BUILTIN_DIR, CONFIGS, HELD_OUT, builtin_model_dir, stdlib_files
+from recipes.builtin import builtin_model_dir
+from recipes.default_pair import BUILTIN_DIR, CONFIGS, HELD_OUT, stdlib_files
 
 
 def test_shipped_pair_resolves_and_shares_one_tokenizer():

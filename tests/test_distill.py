@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from recipes.default_pair import builtin_model_dir, encode_files, stdlib_files
+from recipes.builtin import builtin_model_dir
+from recipes.default_pair import encode_files, stdlib_files
 from recipes.distill import DISTILLED, agreement, distill, kl_to_teacher
 
 

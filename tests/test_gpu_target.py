@@ -128,7 +128,7 @@ def test_the_call_pattern_benchmark_times_each_call_and_leaves_the_sequence_as_i
     assert host.tlm.length == len(prompt) and list(host.tlm.history[: len(prompt)]) == prompt
 
 
-MX_TLM = ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused", mx_embedding=True)  # every MX path
+MX_TLM = ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused")  # every MX path (head, table: MXINT8)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import runtime
 from common.recipe import ModelSpec
 from export.pipeline import build_artifact
 from recipes import get_recipe
-from recipes.default_pair import builtin_model_dir
+from recipes.builtin import builtin_model_dir
 from runtime.forest import CapacityError, Forest
 from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe

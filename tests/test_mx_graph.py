@@ -22,7 +22,8 @@ from export.pipeline import build_artifact
 from kernels import library_path
 from quant import fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
-from runtime.artifact import load_artifact
+from recipes import get_recipe
+from runtime.load import load_artifact
 from tests.conftest import recipe_file, tiny_recipe
 
 WEIGHT = "layers.0.mlp.up_proj.weight.T"
@@ -103,9 +104,38 @@ def test_an_mx_int8_fragment_that_selects_nothing_is_refused():
 
 
 def test_a_float_build_of_a_recipe_with_mx_int8_drops_it():
-    spec = ModelSpec(model="m", mx_format="fp6_e2m3", mx_int8=("lm_head",), mx_lm_head=True)
-    assert with_mx_format(spec, None) == ModelSpec(model="m")
-    assert with_mx_format(spec, "fp6_e3m2").mx_int8 == ("lm_head",)
+    spec = ModelSpec(model="m", mx_format="fp6_e2m3", mx_int8=("down_proj",), mx_lm_head="format")
+    assert with_mx_format(spec, None) == ModelSpec(model="m", mx_lm_head="format")
+    assert not with_mx_format(spec, None).mx_head and not with_mx_format(spec, None).mx_table
+    assert with_mx_format(spec, "fp6_e3m2").mx_int8 == ("down_proj",)
+
+
+def test_mx_weights_quantize_the_head_and_the_table_unless_told_otherwise():
+    """A recipe that asks for MX weights gets an MXINT8 LM head and embedding table (both read every
+    token); "format" puts the head in mx_format, "float32" keeps either; the keys mean nothing without
+    MX weights; contradictions and the keys' earlier boolean form are refused by name."""
+    plain = ModelSpec(model="m", mx_format="fp6_e2m3")
+    assert plain.mx_head and plain.mx_table and plain.mx_int8_fragments == ("lm_head",)
+    six = replace(plain, mx_lm_head="format", mx_int8=("down_proj",))
+    assert six.mx_head and six.mx_int8_fragments == ("down_proj",)
+    kept = replace(plain, mx_lm_head="float32", mx_embedding="float32")
+    assert not kept.mx_head and not kept.mx_table and kept.mx_int8_fragments == ()
+    assert replace(plain, mx_int8=("lm_head", "self_attn")).mx_int8_fragments == ("lm_head", "self_attn")
+    float_model = ModelSpec(model="m")
+    assert not float_model.mx_head and not float_model.mx_table
+    for head in ("float32", "format"):
+        with pytest.raises(RecipeError, match="names the LM head"):
+            recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_format": "fp6_e2m3", "mx_lm_head": head,
+                                                   "mx_int8": ["lm_head"]}})
+    for key, value in [("mx_lm_head", True), ("mx_embedding", False)]:
+        with pytest.raises(RecipeError, match=f"{key}: expected a string.*not a boolean"):
+            recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_format": "fp6_e2m3", key: value}})
+    for key, value in [("mx_lm_head", "int4"), ("mx_embedding", "format")]:
+        with pytest.raises(RecipeError, match=f"{key}: '{value}' is not one of"):
+            recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_format": "fp6_e2m3", key: value}})
+    for name in ("llama2-7b-spd", "codegen-7b-spd"):  # the mission's recipes read no float32 head or table
+        tlm = get_recipe(name).tlm
+        assert tlm.mx_head and tlm.mx_table and "lm_head" in tlm.mx_int8_fragments
 
 
 def test_mx_int8_needs_mx_weights_and_real_fragments():
@@ -191,20 +221,24 @@ def test_lowering_that_did_not_survive_is_an_error():
         _check_lowered(exact, "decode", "fused", {WEIGHT: "fp6_e2m3"})
 
 
-def hf_logits(checkpoint, tokens: list[int], fmt: str | None, embedding: bool = False) -> np.ndarray:
-    """transformers itself, its decoder linear weights replaced by their MX values (if fmt), and its
-    embedding table by its MXINT8 values (if `embedding`; a tied LM head keeps the float table)."""
+def hf_logits(checkpoint, tokens: list[int], fmt: str | None, head: str = "int8", embedding: bool = True
+              ) -> np.ndarray:
+    """transformers itself with the values an artifact of ModelSpec(mx_format=fmt) stores (if fmt): its
+    decoder linear weights in `fmt`, its LM head as `head` says (mx_lm_head: "int8", "format", "float32") and
+    its embedding table MXINT8 (`embedding`); the defaults are ModelSpec's. A tied head is untied first."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         for name, p in model.named_parameters():
-            if fmt and name.startswith("model.layers.") and name.endswith("proj.weight"):
+            layer = name.startswith("model.layers.") and name.endswith("proj.weight")
+            store = fmt if layer else {"int8": "int8", "format": fmt}.get(head) if name == "lm_head.weight" else None
+            if fmt and store:
                 # nn.Linear holds W[N, K]; the graph's MatMul weight is W.T [K, N], blocked along K.
-                p.copy_(torch.from_numpy(fake_quantize(p.numpy().T, fmt, axis=0).T.copy()))
-        if embedding:
+                p.copy_(torch.from_numpy(fake_quantize(p.numpy().T, store, axis=0).T.copy()))
+        if fmt and embedding:
             table = model.get_input_embeddings().weight
-            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
             table.copy_(torch.from_numpy(fake_quantize(table.numpy(), "int8", axis=1)))
         return model(torch.tensor([tokens])).logits[0].numpy()
 
@@ -253,34 +287,37 @@ def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance):
 
 @pytest.mark.parametrize("kind", ["fused", "native", "exact", "e3m2"])
 def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
-    """The MX form is 0.39x FP16 (recorded); the compiled CPU artifact stores what its kernels read:
-    fused keeps every decoder weight as MatMulNBits 8-bit codes (prepacked), native as MXMatMul's
-    6-bit codes (24 bytes per 32 weights) and E8M0 bytes; neither ever a float weight."""
+    """The MX form is 0.41x FP16 (recorded: MXFP6 decoder weights at 0.39x, the MXINT8 LM head at 0.52x);
+    the compiled CPU artifact stores what its kernels read: fused keeps every MX weight as MatMulNBits
+    8-bit codes (prepacked), native as MXMatMul's codes (6-bit: 24 bytes per 32 weights; the head's
+    8-bit) and E8M0 bytes; neither ever a float weight."""
     art = load_artifact(mx_artifacts[kind])
     quant = art.manifest.models["tlm"].quant
     if kind == "native" and library_path() is None:
         kind = "fused"  # the compiler fell back (tested in test_native_kernel.py)
     assert quant["lowering"] == (kind if kind in ("fused", "native") else "exact")
-    assert quant["lowered_weights"] == quant["tensors"] == 14
-    assert quant["mx_bytes"] <= 0.40 * quant["fp16_bytes"] and quant["ratio_to_fp16"] == pytest.approx(0.39, abs=0.01)
+    assert quant["lowered_weights"] == quant["tensors"] == 15 and quant["lm_head"] and quant["int8_tensors"] == 1
+    decoder, head = 73728, 260 * 64  # llama-gqa's decoder linears and LM head, in weights
+    assert quant["mx_bytes"] == decoder * 6.25 / 8 + head * 8.25 / 8 and quant["fp16_bytes"] == 2 * (decoder + head)
     for graph in ("prefill", "decode", "score3"):
         model = onnx.load(str(mx_artifacts[kind] / "tlm" / f"{graph}.onnx"), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert len(nbits) == (14 if kind == "fused" else 0)
+        assert len(nbits) == (15 if kind == "fused" else 0)
         for n in nbits:
             b = inits[n.input[1]]
             assert b.data_type == onnx.TensorProto.UINT8
             assert any(e.key.startswith("prepacked") for e in b.external_data)
         native = [n for n in model.graph.node if n.op_type == "MXMatMul" and n.domain == "ai.mxspd"]
         covered = [w for n in native for w in n.input[1].split(SEPARATOR)]  # q/k/v and gate/up packed in one call
-        assert (len(native), len(covered)) == ((8, 14) if kind == "native" else (0, 0))
+        assert (len(native), len(covered)) == ((9, 15) if kind == "native" else (0, 0))
         for n in native:
             w, e8m0 = inits[n.input[1]], inits[n.input[2]]
             attrs = {a.name: a.i for a in n.attribute}
             k, n_out = attrs["K"], attrs["N"]
             groups, kb = -(-n_out // 16), -(-k // 32)
-            assert list(w.dims) == [groups, kb, 384] and list(e8m0.dims) == [groups, kb, 16]
+            block = 512 if n.input[1].startswith("lm_head") else 384  # MXINT8: 64 code bytes per 4 x 16 weights
+            assert list(w.dims) == [groups, kb, block] and list(e8m0.dims) == [groups, kb, 16]
         if kind in ("fused", "native"):
             assert not [t for t in inits if t.endswith("proj.weight.T")], "a full-precision decoder weight"
 
@@ -388,11 +425,7 @@ def test_an_mx_embedding_table_is_gathered_then_dequantized_exactly(lowering, k)
     np.testing.assert_array_equal(session.run(None, {"input_ids": ids})[0], standard)
 
 
-def test_mx_embedding_needs_mx_weights_and_a_table():
-    with pytest.raises(RecipeError, match="need mx_format"):
-        recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_embedding": True}})
-    spec = ModelSpec(model="m", mx_format="fp6_e2m3", mx_embedding=True)
-    assert with_mx_format(spec, None) == ModelSpec(model="m")
+def test_mx_embedding_needs_a_table():
     mx = MXPass(embedding=True)
     apply_passes(matmul_model(weights(64, 24)), [mx])
     with pytest.raises(ValueError, match="no embedding table"):
@@ -405,12 +438,12 @@ def test_mx_embedding_artifact_matches_transformers_with_its_mxint8_table(checkp
     decoder weights and the table's MXINT8 values (exact to 1e-4; native as the other kernel artifacts),
     its graphs gather int8 rows from no float32 table, and the manifest says so."""
     ck = checkpoints["llama-gqa"]
-    spec = ModelSpec(model=str(ck), mx_format="fp6_e2m3", mx_lowering=lowering, mx_embedding=True)
+    spec = ModelSpec(model=str(ck), mx_format="fp6_e2m3", mx_lowering=lowering)  # the default: mx_embedding "int8"
     art_dir = build_artifact(replace(tiny_recipe(), dlm=None, tlm=spec), tmp_path / "emb", progress=False)
-    plain = build_artifact(replace(tiny_recipe(), dlm=None, tlm=replace(spec, mx_embedding=False)),
+    plain = build_artifact(replace(tiny_recipe(), dlm=None, tlm=replace(spec, mx_embedding="float32")),
                            tmp_path / "plain", progress=False)
     ours = prompt_logits(art_dir, TOKENS)
-    ref = hf_logits(ck, TOKENS, "fp6_e2m3", embedding=True)[-1]
+    ref = hf_logits(ck, TOKENS, "fp6_e2m3")[-1]
     np.testing.assert_allclose(ours, ref, atol=1e-4 if lowering == "exact" else 1e-4 * np.abs(ref).max(), rtol=1e-4)
     assert np.abs(ours - prompt_logits(plain, TOKENS)).max() > 1e-5  # the table really was quantized
     assert load_artifact(art_dir).manifest.models["tlm"].quant["embedding"]

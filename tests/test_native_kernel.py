@@ -155,16 +155,17 @@ def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
 @WBITS
 @pytest.mark.parametrize("bits", [16, 8])
 def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits, wbits):
+    """Calls of 1 to 9 rows, and of 64 (the many-row path), give each row the bits it gets alone."""
     codes, exps = random_mx(576, 200, seed=3, wbits=wbits)
-    a = np.random.default_rng(4).standard_normal((13, 576)).astype(np.float32)
+    a = np.random.default_rng(4).standard_normal((64, 576)).astype(np.float32)
     s = session(mx_matmul_model(codes, exps, bits, [None, 576]))
     full = s.run(None, {"a": a})[0]
-    for m in (1, 2, 3, 4, 5, 8, 9):
+    for m in (1, 2, 3, 4, 5, 8, 9, 13, 30):
         np.testing.assert_array_equal(s.run(None, {"a": a[:m]})[0], full[:m])
     np.testing.assert_array_equal(s.run(None, {"a": a[[7]]})[0], full[[7]])
     one_thread = session(mx_matmul_model(codes, exps, bits, [None, 576]), threads=1)
     np.testing.assert_array_equal(one_thread.run(None, {"a": a})[0], full)
-    batched = session(mx_matmul_model(codes, exps, bits, [1, 13, 576])).run(None, {"a": a[None]})[0]
+    batched = session(mx_matmul_model(codes, exps, bits, [1, 64, 576])).run(None, {"a": a[None]})[0]
     np.testing.assert_array_equal(batched[0], full)
 
 
@@ -178,11 +179,15 @@ def test_non_finite_activations_stay_in_their_row():
     np.testing.assert_array_equal(y[0], y[2])
 
 
+ROW_COUNTS = [*range(1, 26), 48, 61]
+
+
 @needs_library
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
-    weight formats, MXFP6 in both layouts, both activation widths, every row count from 1 to 25
-    (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6), odd and even column counts, MXINT8's code
+    weight formats, MXFP6 in both layouts, both activation widths, every row count from 1 to 25 and two
+    beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 24 rows for MXFP6 and 48 for MXINT8
+    the AVX-512 path decodes each weight once per call), odd and even column counts, MXINT8's code
     -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
     AVX-512 VNNI and VBMI the first two runs take the same path.)"""
     rng = np.random.default_rng(6)
@@ -195,7 +200,7 @@ def test_every_path_gives_the_same_bits(tmp_path):
         exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
         layout = PLANES if i >= 4 else TRIPLES
         onnx.save(mx_matmul_model(codes, exps, bits, [None, 100], layout), tmp_path / f"{i}.onnx")
-    for rows in range(1, 26):
+    for rows in ROW_COUNTS:
         a = rng.standard_normal((rows, 100)).astype(np.float32)
         a[0, 32:64] = 0.0
         a[-1, 70] = np.nan if rows > 2 else a[-1, 70]
@@ -204,9 +209,9 @@ def test_every_path_gives_the_same_bits(tmp_path):
             "d = pathlib.Path(sys.argv[1]);"
             "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(6)];"
             "[sys.stdout.buffer.write(x.run(None, {'a': np.load(d / f'a{r}.npy')})[0].tobytes())"
-            " for x in s for r in range(1, 26)]")
+            f" for x in s for r in {ROW_COUNTS}]")
     outs = every_path(code, str(tmp_path))
-    case = sum(range(1, 26)) * 33 * 4  # bytes per case
+    case = sum(ROW_COUNTS) * 33 * 4  # bytes per case
     assert len(outs[0]) == 6 * case and outs[0] == outs[1] == outs[2]
     assert outs[0][4 * case:] == outs[0][:2 * case]  # MXFP6 in either layout: the same bits
     y = np.frombuffer(outs[0], np.float32)

@@ -65,8 +65,8 @@ def test_every_graph_maps_the_same_prepacked_blobs(plain_dir, mx_fused_dir, whic
         graphs = {g: _prepacked_entries(art_dir / e.file) for g, e in entry.graphs.items()}
         first = next(iter(graphs.values()))
         n_matmuls = 7 * entry.dims.n_layers + 1  # q k v o gate up down per layer, and the LM head
-        if entry.batch_invariant:  # float32 weights (here the LM head, and the DLM's) are RowMatMul panels
-            n_matmuls = n_matmuls - 1 if entry.quant else 0
+        if entry.batch_invariant:  # float32 weights (the DLM's; the LM head where not MX) are RowMatMul panels
+            n_matmuls = 0 if not entry.quant else n_matmuls if entry.quant["lm_head"] else n_matmuls - 1
         assert len(first) == n_matmuls, f"{role}: {len(first)} prepacked weights, expected {n_matmuls}"
         assert all(g == first for g in graphs.values()), "graphs point at different copies"
         for location, value in first.values():

@@ -8,7 +8,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from recipes.default_pair import builtin_model_dir, byte_tokenizer
+from recipes.builtin import builtin_model_dir
+from recipes.default_pair import byte_tokenizer
 from runtime.tokenizer import Tokenizer
 
 TEXTS = ["def f(x):\n    return x + 1\n", "Grüße, naïve café — ✓ 漢字", "  spaces   and\ttabs\n\n", "a", "</s>x<s>"]

@@ -16,7 +16,8 @@ from common.staging import MARKER, OutputExistsError
 from export.loader import load_model, resolve_model_dir
 from quant.mx import dequantize, quantize
 from recipes import get_recipe, widen
-from recipes.default_pair import builtin_model_dir, stdlib_files
+from recipes.builtin import builtin_model_dir
+from recipes.default_pair import stdlib_files
 
 TOL = 1e-4
 N_TOKENS = 256
@@ -163,7 +164,8 @@ def test_a_killed_build_is_cleaned_by_the_next(tmp_path):
 
 def test_wide_recipe_pairs_the_wide_tlm_with_the_distilled_dlm():
     wide, tiny = get_recipe("stdlib-wide-spd"), get_recipe("tiny-stdlib-spd")
-    assert wide.tlm.model == "builtin:stdlib-tlm-wide" and wide.tlm.mx_format == "fp6_e2m3" and wide.tlm.mx_lm_head
+    assert wide.tlm.model == "builtin:stdlib-tlm-wide" and wide.tlm.mx_format == "fp6_e2m3"
+    assert wide.tlm.mx_lm_head == "format"
     assert wide.dlm.model == "builtin:stdlib-dlm-distilled" and wide.dlm.dtype == tiny.dlm.dtype
     assert (wide.prompts, wide.k, wide.context_length, wide.sampling) == (
         tiny.prompts, tiny.k, tiny.context_length, tiny.sampling)

@@ -5,7 +5,11 @@
 #   ort.*  onnxruntime-gpu's package folder as one tar.xz, split (cat ort.* | xz -d | tar x);
 #   *.whl  wheels installed with --no-deps (transformers, gguf; onnxruntime-genai-cuda for --genai);
 #   SmolLM2-135M-Instruct.Q4_1.gguf.xz, for the SmolLM2 steps only.
-# STEPS (default "report gpu"):
+# STEPS (default "kernel report gpu"):
+#   kernel  builds mxspd's MXFP6 CUDA kernel with the machine's nvcc (python -m kernels.cuda_build; and the CPU
+#           kernels' library, for its reference), checks it against that reference and times it against
+#           float16 MatMul and 8-bit MatMulNBits at Llama-2-7B MLP shapes (python -m benchmarks.gpu_kernel).
+#           Run it first: the ort-cuda builds of the later steps lower MX weights to this kernel.
 #   bg7b    copies the repository to /root/src and starts building the 7B-shaped recipe's two artifacts
 #           (llama2-7b-spd's widths with LAYERS decoder layers, default 2, and the llama-160m draft;
 #           random weights) in the background, with the machine's CPU ONNX Runtime: the wheels are
@@ -19,7 +23,7 @@
 set -uo pipefail
 P=${PIECES:?} OUT=${OUT:?}
 SITE=/tmp/site ORTGPU=/tmp/ortgpu SRC=/root/src CK=/root/ck R7=/root/rep7
-has() { [[ " ${STEPS:-report gpu} " == *" $1 "* ]]; }
+has() { [[ " ${STEPS:-kernel report gpu} " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 summarize() {  # benchmarks.gpu's JSON, the figures docs/benchmarks.md quotes
   python3 - "$1" <<'PY'
@@ -66,6 +70,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import onnxruntime as o, transformers, torch; print('ort', o.__version__, o.get_available_providers(),
 'transformers', transformers.__version__, 'torch', torch.__version__)"
 
+if has kernel; then
+  SECONDS=0
+  [ -n "$(python3 -c 'import kernels; print(kernels.library_path() or "")')" ] \
+    || python3 setup.py -q build_ext --inplace > $OUT/cpu_build.log 2>&1
+  python3 -m kernels.cuda_build > $OUT/cuda_build.log 2>&1
+  echo "kernel builds: rc $? in ${SECONDS}s"; tail -n 5 $OUT/cuda_build.log
+  timeout "${KERNEL_S:-180}" python3 -m benchmarks.gpu_kernel --out $OUT/kernel.json > $OUT/kernel.log 2>&1
+  echo "gpu_kernel: rc $? in ${SECONDS}s"; tail -n 60 $OUT/kernel.log
+fi
 if has 7b || has memory; then
   cd $SRC || exit 1
   export PYTHONPATH=$ORTGPU:$SITE:$SRC
@@ -127,7 +140,7 @@ if has gpu; then
     --quiet > $OUT/export_mxfp6.log 2>&1 &
   [ -d $REP/fp32 ] || python3 -m export --recipe smollm2-135m-chat --tlm $GGUF --target ort-cuda --mx-format none \
     --out $REP/fp32 --quiet > $OUT/export_fp16.log 2>&1 &
-  [ -n "$GENAI" ] && python3 -c "from benchmarks.vs_llamacpp import Genai
+  [ -n "$GENAI" ] && python3 -c "from benchmarks.peers import Genai
 for p in '$GENAI'.split(','): Genai(__import__('pathlib').Path('$GGUF'), p, 1, provider='cuda')" > $OUT/genai_build.log 2>&1 &
   wait
   echo "builds: ${SECONDS}s"

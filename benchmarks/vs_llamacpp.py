@@ -26,10 +26,11 @@ thread count and context; runs alternate between systems. Prints per system: dec
 run and their median, prefill ms (the whole prompt: time to the first token), the ratio to llama.cpp
 Q6_K (and to each F32), the weight bytes read per token (llama.cpp: its file less the token embedding
 table, of which a token reads one row) with the floor they imply at the read bandwidth measured in the
-same run, whether the greedy text equals the system's own float32 text where that system was run
-(`compared_with` names the system compared: for a speculating engine its autoregressive self), and PSS
-after loading and generating (each system alone in a fresh process, measured once this one has let every
-system go: while it still mapped a model's file, the child's PSS counted half of that file's pages).
+same run (the median of a probe before each round and one after: on a shared machine it moves), whether
+the greedy text equals the system's own float32 text where that system was run (`compared_with` names
+the system compared: for a speculating engine its autoregressive self), and PSS after loading and
+generating (each system alone in a fresh process, measured once this one has let every system go: while
+it still mapped a model's file, the child's PSS counted half of that file's pages).
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def main() -> None:
 
     for system in speed:  # warm-up
         run(system, prompt, 8)
+    probes = []  # the read bandwidth, once per round: on a shared machine it moves while the systems run
     for _ in range(args.repeats):
+        probes.append(read_bandwidth_gbs(repeats=3, allocations=2))
         for system in speed:
             tokens, seconds, ms, ids[system] = 0, 0.0, [], []
             for p in prompts:
@@ -193,14 +196,16 @@ def main() -> None:
                 ids[system] += new_ids
             speed[system].append(round(tokens / seconds, 1) if seconds else 0.0)
             prefill[system].append(round(float(np.mean(ms)), 1))
-    gbs = read_bandwidth_gbs()
+    probes.append(read_bandwidth_gbs(repeats=3, allocations=2))
+    gbs = float(np.median(probes))
     ref_system = f"llama.cpp:{REFERENCE}"
     ref = float(np.median(speed[ref_system])) if ref_system in speed else None
     ref_prefill = float(np.median(prefill[ref_system])) if ref_system in speed else None
     report = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
               "cpu": cpu_name(), "recipe": recipe.name, "checkpoint": str(args.checkpoint or recipe.tlm.model),
               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "new_tokens": n,
-              "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1), "systems": {}}
+              "threads": args.threads, "read_bandwidth_GB_per_s": round(gbs, 1),
+              "read_bandwidth_probes_GB_per_s": [round(g, 1) for g in probes], "systems": {}}
     for system in speed:
         kind, _, name = system.partition(":")
         own_f32 = {"llama.cpp": "llama.cpp:F32", "genai": "genai:fp32" if "genai:fp32" in speed else "ours:fp32"

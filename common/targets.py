@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from kernels import library_path
+from kernels import cuda_library_path, library_path
 
 PROVIDERS = {
     "ort-cpu": ["CPUExecutionProvider"],
@@ -115,7 +115,7 @@ def check_target(target: str) -> None:
             f"target {target!r} needs ONNX Runtime's {needed}, which this installation lacks "
             f"(available: {available}). "
             + ("Both onnxruntime and onnxruntime-gpu are installed, and they share one `onnxruntime` module: "
-               f"{_GPU_INSTALL} (README, GPU target). " if both else
+               f"{_GPU_INSTALL} (docs/gpu.md). " if both else
                f"For ort-cuda, on a machine with an NVIDIA GPU: `pip install 'mxspd[cuda]'`, then {_GPU_INSTALL}; ")
             + "for this machine use target ort-cpu."
         )
@@ -124,14 +124,17 @@ def check_target(target: str) -> None:
             ort.preload_dlls()  # pip's CUDA and cuDNN wheels (the [cuda] extra) are not on the loader's path
 
 
-def session_options(threads: int | None = None, library: Path | None = None) -> ort.SessionOptions:
-    """`library`: another build of mxspd's kernels than the installed one (benchmarks compare builds)."""
+def session_options(threads: int | None = None, library: Path | None = None, target: str = "ort-cpu"
+                    ) -> ort.SessionOptions:
+    """`library`: another build of mxspd's kernels than the installed one (benchmarks compare builds). A
+    GPU target's sessions get the CUDA kernels' library (kernels/cuda_build.py) where it is built, not the
+    CPU one (two libraries of one domain cannot share a session; its graphs use no CPU kernel of ours)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    lib = library or library_path()
+    lib = library or (cuda_library_path() if target in FLOAT16_TARGETS else library_path())
     if lib is not None:  # mxspd's own ops (ai.mxspd), for graphs that use them
         so.register_custom_ops_library(str(lib))
     return so
@@ -143,7 +146,7 @@ def spin_within_calls(so: ort.SessionOptions) -> ort.SessionOptions:
     Generation alternates sessions (prefill, decode; DLM steps, TLM scoring): a pool whose threads
     spin after its call takes the cores from the next session's call (inside SpD that made a TLM
     scoring call cost 2-3x a decode step), and a pool that never spins wakes its threads for each
-    of a call's ~240 parallel ops (two threads were then no faster than one). docs/benchmarks.md:
+    of a call's ~240 parallel ops (two threads were then no faster than one). docs/benchmarks-history.md:
     1.4x per decode call. A new pool's threads spin before their first sleep: see `parked_pools`.
     """
     so.add_session_config_entry("session.intra_op.allow_spinning", "1")
@@ -189,7 +192,7 @@ def parked_pools(timeout_s: float = 2.0) -> Iterator[None]:
 
 def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
-    so = session_options(threads)
+    so = session_options(threads, target=target)
     spin_within_calls(so)
     if target in PREPACKED_TARGETS:
         # Optimised at build time; optimising again could change a weight and so miss its

@@ -5,7 +5,7 @@ token, each a TLB miss, and ONNX Runtime maps each external tensor on its own (o
 tensor and session, none 2 MiB aligned, so none can use 2 MiB entries). One mapping of the whole file
 with MADV_HUGEPAGE is mapped with 2 MiB entries wherever the page cache holds the file in 2 MiB
 folios, which reading the file from disk produces (through this mapping, or sequential reads; Linux
-6.x on ext4). Decode was 1.13-1.16x faster that way (docs/benchmarks.md, "Weights in 2 MiB pages").
+6.x on ext4). Decode was 1.03-1.08x faster that way (docs/benchmarks-history.md, session 25).
 
 Pages that a build wrote, or that another mapping faulted in 4 KiB at a time, sit in small folios.
 If most of the file is not mapped in 2 MiB entries after a first touch, its page cache is dropped

@@ -58,7 +58,7 @@ from compiler.rotary_attention import fuse_rotary_attention
 from compiler.skip_norm import fuse_skip_norms
 from compiler.split_heads import fuse_split_heads
 from compiler.swiglu import fuse_swiglu
-from kernels import MX_MATMUL, library_path
+from kernels import GPU_LOWERING, MX_MATMUL, MX_MATMUL_GPU, library_path
 
 EXPORT_INFO = "export.json"
 
@@ -151,16 +151,16 @@ def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list
 
 
 def effective_lowering(lowering: str, target: str) -> str:
-    """The native kernel where it was built (and the target is ONNX Runtime's CPU); else `fused`, said aloud."""
+    """mxspd's native kernel where its library was built: MXMatMul on the CPU target, MXMatMulGPU (its CUDA
+    kernel; the CPU library's reference runs the build's optimiser) on the GPU target; else `fused`, said aloud."""
     if lowering not in NATIVE_ACTIVATION_BITS:
         return lowering
-    why = ("its library was not built at install (no C++ compiler?)" if library_path() is None
-           else f"it runs on the CPU only, and the target is {target}" if target not in PREPACKED_TARGETS else None)
-    if why is None:
-        return lowering
-    warnings.warn(f"MX lowering {lowering!r} (mxspd's native 6-bit kernel) is unavailable: {why}; falling back to "
-                  "'fused' (MatMulNBits: 8-bit codes and a scale per block of 32)", stacklevel=2)
-    return "fused"
+    if library_path() is None:
+        warnings.warn(f"MX lowering {lowering!r} (mxspd's native 6-bit kernel) is unavailable: its library was not "
+                      "built at install (no C++ compiler?); falling back to 'fused' (MatMulNBits: 8-bit codes and a "
+                      "scale per block of 32)", stacklevel=2)
+        return "fused"
+    return GPU_LOWERING if target in FLOAT16_TARGETS else lowering
 
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
@@ -240,6 +240,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         quant["kernel"] = {
             "fused": f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}",
             "exact": "float32 MatMul on the MXFP6 values",
+            GPU_LOWERING: f"{NATIVE_DOMAIN}.{MX_MATMUL_GPU} (CUDA) 6-bit codes, float16 activations",
         }.get(lowering) or f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32"
     return ModelEntry(
         source=info["source"],

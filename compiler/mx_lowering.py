@@ -25,6 +25,11 @@ MXINT8 weights (a recipe's `mx_int8`: INT8 codes whose stored exponent already h
 every lowering too: exact (Cast and scale), fused (MatMulNBits, codes + 128) and native (MXMatMul
 with weight_bits = 8: 32 code bytes and one exponent byte per 32 weights, 8.25 bits).
 
+gpu (what native and native8 become for the ort-cuda target): ai.mxspd::MXMatMulGPU, mxspd's CUDA
+kernel (kernels/cuda/), which reads MXFP6 at 6.25 bits per weight (MXINT8 at 8.25) in the per-column
+layout its warps read (kernels/mx_gpu_layout.h), with float16 activations. The CPU library holds its
+reference kernel, so the build's CPU-side optimiser and the tests can run the graph.
+
 An MXINT8 embedding table (`mx_embedding`: [V, K] blocked along K, read by a Gather of token ids) is
 lowered alike in every lowering: the Gather picks the rows' int8 codes and exponent bytes, and only
 those rows are dequantized (a Cast, the scale table, a Mul), so the artifact never holds the table in
@@ -45,20 +50,22 @@ from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
-from kernels import MX_MATMUL, NATIVE_LOWERINGS, preferred_mx_layout
-from kernels.layout import pack_columns, pack_int8_columns, pack_scales
+from kernels import GPU_LOWERING, MX_MATMUL, MX_MATMUL_GPU, NATIVE_LOWERINGS, preferred_mx_layout
+from kernels.layout import pack_columns, pack_gpu, pack_gpu_scales, pack_int8_columns, pack_scales
 from quant import element_values, pack_fp6, unpack_fp6
 
 NATIVE_ACTIVATION_BITS = dict(zip(NATIVE_LOWERINGS, (16, 8), strict=True))
-LOWERINGS = MX_LOWERINGS
+LOWERINGS = (*MX_LOWERINGS, GPU_LOWERING)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
 MX_TYPES = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2",
             onnx.TensorProto.INT8: "int8"}  # DequantizeLinear data types with E8M0 scales: the MX weights
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
 NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
+GPU_SUFFIX = ".mxgpu"  # the GPU kernel's weight input: <weight>.mxgpu (and its scales <weight>.e8m0gpu)
 # The op each kernel lowering turns a MatMul into, and the suffix of its weight input.
-KERNEL_OPS = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX)} | {
+KERNEL_OPS = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX),
+              GPU_LOWERING: (NATIVE_DOMAIN, MX_MATMUL_GPU, GPU_SUFFIX)} | {
     name: (NATIVE_DOMAIN, MX_MATMUL, NATIVE_SUFFIX) for name in NATIVE_ACTIVATION_BITS}
 _SHIFTS = np.array([1, 64, 64**2, 64**3], dtype=np.int32)  # 4 codes of a 24-bit group, LSB first
 _BYTE_WEIGHTS = np.array([1, 256, 65536], dtype=np.int32)
@@ -215,6 +222,20 @@ def _lower_native(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callab
             mm.attribute.append(helper.make_attribute("layout", layout))
 
 
+def _lower_gpu(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callable[[], tuple[np.ndarray, np.ndarray]],
+               matmuls: list) -> None:
+    """MatMul -> ai.mxspd::MXMatMulGPU(A, codes and E8M0 bytes column by column, kernels/layout.pack_gpu)."""
+    _need_e2m3(name, fmt, GPU_LOWERING)
+    wbits = 8 if fmt == "int8" else 6
+    weights = b.const(name + GPU_SUFFIX, lambda: pack_gpu(load()[0], wbits))
+    scales = b.const(name + ".e8m0gpu", lambda: pack_gpu_scales(load()[1]))
+    for mm in matmuls:
+        mm.op_type, mm.domain = MX_MATMUL_GPU, NATIVE_DOMAIN
+        mm.input[:] = [mm.input[0], weights, scales]
+        mm.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
+                             helper.make_attribute("weight_bits", wbits)])
+
+
 def _by_column(fmt: str, codes: np.ndarray, kb: int) -> np.ndarray:
     """MatMulNBits' 8-bit weights: per output column, K in blocks, zero point 128."""
     k, n = codes.shape
@@ -303,11 +324,13 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
         else:
             if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
                 raise LoweringError(f"weight {w!r}: the {lowering} lowering needs it to feed MatMul weights only")
-            layout = preferred_mx_layout() if lowering != "fused" else None
+            layout = preferred_mx_layout() if lowering in NATIVE_ACTIVATION_BITS else None
             b.source = ((lowering, layout, fmt, data.data_type, tuple(data.dims), tuple(scale.dims), *where)
                         if None not in where else None)
             if lowering == "fused":
                 _lower_fused(b, w, fmt, k, n, scale.dims[0], load, users)
+            elif lowering == GPU_LOWERING:
+                _lower_gpu(b, w, fmt, k, n, load, users)
             else:
                 _lower_native(b, w, fmt, k, n, load, users, NATIVE_ACTIVATION_BITS[lowering], layout)
         graph.node.remove(node)

@@ -1,6 +1,8 @@
 """mxspd's native ONNX Runtime ops (kernels/*.cc), built by `pip install` where a C++ compiler is found:
 
 - `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight;
+- `ai.mxspd::MXMatMulGPU` is the GPU target's MX matmul: its CUDA kernel (kernels/cuda/, a library of its own
+  built with nvcc by `python -m kernels.cuda_build`) and, here, its CPU reference (for building and tests);
 - `ai.mxspd::RowMatMul` (float32 weights) and `ai.mxspd::Attention` compute every row with the same
   arithmetic whatever else shares its call, so a compiled artifact is batch-invariant (a token's
   logits do not depend on the graph, the call's rows, or whether a key is cached or new).
@@ -19,6 +21,7 @@ from kernels.layout import TRIPLES
 
 DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
+MX_MATMUL_GPU = "MXMatMulGPU"
 ROW_MATMUL = "RowMatMul"
 ATTENTION = "Attention"
 ROTARY_ATTENTION = "RotaryAttention"
@@ -26,7 +29,9 @@ ROTARY = "Rotary"
 ROTARY_QKV = "RotaryQKV"
 SWIGLU = "SwiGLU"
 LIBRARY_STEM = "_mxspd_ort"
+CUDA_LIBRARY = "_mxspd_ort_cuda.so"  # kernels/cuda_build.py writes it
 NATIVE_LOWERINGS = ("native", "native8")  # the MX lowerings (common.recipe.MX_LOWERINGS) that run these ops
+GPU_LOWERING = "gpu"  # what a native lowering becomes on the GPU target (MXMatMulGPU), as the manifest records it
 
 
 class KernelsUnavailableError(RuntimeError):
@@ -50,6 +55,23 @@ def require_library() -> Path:
             "mxspd's native kernel library (kernels/_mxspd_ort*.so) is not built in this installation. "
             "Reinstall with a C++ compiler present (`apt install g++`, then `pip install -e .`), or "
             "export with mx_lowering = 'fused' (ONNX Runtime's MatMulNBits; 9 bits per weight read)."
+        )
+    return path
+
+
+def cuda_library_path() -> Path | None:
+    """The GPU target's kernel library, where `python -m kernels.cuda_build` has built it."""
+    path = Path(__file__).resolve().parent / CUDA_LIBRARY
+    return path if path.is_file() else None
+
+
+def require_cuda_library() -> Path:
+    path = cuda_library_path()
+    if path is None:
+        raise KernelsUnavailableError(
+            "this artifact's MX weights run on mxspd's CUDA kernel (MXMatMulGPU), whose library is not built here: "
+            "run `python -m kernels.cuda_build` on this GPU machine (needs CUDA's compiler, nvcc), or export with "
+            "mx_lowering = 'fused' (ONNX Runtime's 8-bit MatMulNBits)"
         )
     return path
 

@@ -24,6 +24,7 @@ CHUNKS = 8
 BLOCK_BYTES = {6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
 TRIPLES, PLANES = 0, 1  # MXMatMul's attribute `layout` (MXFP6 only)
 PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
+GPU_BLOCK_BYTES = {6: 24, 8: 32}  # ai.mxspd::MXMatMulGPU (mx_gpu_layout.h): bytes per column and block of 32
 
 # Chunk byte o of chunk q: (column, code) within a group's block.
 _O = np.arange(64)
@@ -101,3 +102,23 @@ def unpack_columns(packed: np.ndarray, k: int, n: int) -> np.ndarray:
     c = np.zeros((groups, kb, GROUP, BLOCK), dtype=np.uint8)
     c[:, :, _COLUMN, _CODE] = chunks
     return np.ascontiguousarray(c.transpose(0, 2, 1, 3).reshape(groups * GROUP, kb * BLOCK)[:n, :k].T)
+
+
+def pack_gpu(codes: np.ndarray, wbits: int) -> np.ndarray:
+    """MXMatMulGPU's weights (kernels/mx_gpu_layout.h): codes [K, N] (FLOAT6 uint8, or MXINT8 int8) ->
+    uint8 [N, ceil(K/32), 24 or 32], each output column's blocks contiguous, K padded with code 0; FLOAT6
+    4 codes in 3 bytes, code i of a block at bits 6i (little endian)."""
+    k, n = codes.shape
+    kb = -(-k // BLOCK)
+    c = np.zeros((n, kb * BLOCK), dtype=codes.dtype)
+    c[:, :k] = codes.T
+    if wbits == 8:
+        return np.ascontiguousarray(c.view(np.uint8).reshape(n, kb, GPU_BLOCK_BYTES[8]))
+    quads = c.astype(np.uint32).reshape(n, kb, BLOCK // 4, 4)
+    bits = (quads << (6 * np.arange(4, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)  # 24 bits per 4 codes
+    return np.ascontiguousarray(bits[..., None].view(np.uint8)[..., :3].reshape(n, kb, GPU_BLOCK_BYTES[6]))
+
+
+def pack_gpu_scales(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 exponents uint8 [KB, N] -> MXMatMulGPU's [N, KB]."""
+    return np.ascontiguousarray(exponents.T)

@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(MXSPD_NO_X86)
 // GCC 12's AVX-512 headers warn of their own _mm512_undefined_* values (GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -57,6 +57,7 @@ enum ApiIndex : int {
   kKernelContextGetOutput = 91,
   kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextGetGPUComputeStream = 193,
   kKernelContextParallelFor = 274,
 };
 
@@ -115,6 +116,10 @@ struct Api {
     return s;
   }
   void release(OrtStatus* s) const { fn<void (*)(OrtStatus*)>(kReleaseStatus)(s); }
+  // The CUDA provider's compute stream (a cudaStream_t), for a GPU op's kernels.
+  OrtStatus* gpu_stream(const OrtKernelContext* ctx, void** out) const {
+    return fn<OrtStatus* (*)(const OrtKernelContext*, void**)>(kKernelContextGetGPUComputeStream)(ctx, out);
+  }
   OrtStatus* parallel_for(const OrtKernelContext* ctx, void (*f)(void*, size_t), size_t total, void* user) const {
     return fn<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
         kKernelContextParallelFor)(ctx, f, total, 2, user);
@@ -243,6 +248,7 @@ inline const bool kHasAvx512Vbmi = kHasAvx512 && __builtin_cpu_supports("avx512v
 
 // The ops, one per source file.
 const OrtCustomOp* mx_matmul_op();
+const OrtCustomOp* mx_matmul_gpu_op();
 int64_t mx_preferred_layout();
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();

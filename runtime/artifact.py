@@ -18,7 +18,7 @@ from common.manifest import ArtifactError, Manifest, read_manifest
 from common.ngram_table import NgramTable, NgramTableError
 from common.resources import check_memory
 from common.targets import check_prepacked, check_target
-from kernels import NATIVE_LOWERINGS, require_library
+from kernels import GPU_LOWERING, NATIVE_LOWERINGS, require_cuda_library, require_library
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import Tokenizer
@@ -114,6 +114,8 @@ def open_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     check_prepacked(manifest.prepacked_for)
     if any(e.quant.get("lowering") in NATIVE_LOWERINGS or e.batch_invariant for e in manifest.models.values()):
         require_library()  # a clear error now, rather than ONNX Runtime's unknown op at the first graph
+    if any(e.quant.get("lowering") == GPU_LOWERING for e in manifest.models.values()):
+        require_cuda_library()
     check_memory(memory_needed(path, manifest), f"artifact {path}",
                  "half of each weights file, the form a decode step reads, plus the KV caches and buffers")
     try:

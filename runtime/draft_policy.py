@@ -6,7 +6,7 @@ tested n + 1 of them (n < k; the rest were never judged) or k (n = k): for a dra
 tokens are accepted about independently (`independent`), a is estimated as accepted over tested;
 over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are right or wrong
 together (a match that fails at its first token rarely recovers), so there the untested ones count
-as rejected (docs/benchmarks.md: estimated the independent way, prompt lookup drafted more and lost
+as rejected (docs/benchmarks-history.md: estimated the independent way, prompt lookup drafted more and lost
 3-5% more on the default recipe's prompts). Acceptance is estimated per kind of draft where a drafter
 tells kinds apart (prompt lookup: the match length, since a match of one token is right far less
 often than one of three), so that a good kind is drafted and a poor one is not. A round of k

@@ -1,9 +1,12 @@
 """Continuous batching: one thread owns an artifact's TLM and advances every request in one call per step.
 
 Each in-flight request is one branch of the forest over the shared KV cache (runtime/forest.py):
-a step feeds every live request's newest token (and the prompts of requests admitted this step)
-as rows of the cheapest calls the graphs allow, then samples each request's next token from its own
-row with its own random stream. Requests join and leave between steps. A request is admitted
+a step feeds every running request's newest token (and its drafts) as rows of the cheapest calls the
+graphs allow, then samples each request's next token from its own row with its own random stream.
+Prompts are prefilled in chunks (chunked prefill): a step's rows left after the running requests',
+up to the largest graph's (and at least a quarter of it), go to the waiting prompts in admission
+order, so an arrival never stalls the running streams for more than a call; a prompt's first token
+comes from the step that feeds its last chunk. Requests join and leave between steps. A request is admitted
 only when the cache has room for its prompt and all its new tokens besides what the admitted
 requests may still need, so a running request never runs out of slots; the waiting queue is
 bounded (QueueFullError). Callers never touch a runner: they submit and read events.
@@ -121,6 +124,11 @@ class Request:
         return out
 
 
+def _prefilling(req: Request) -> bool:
+    """Its prompt is not all in the cache yet (chunked prefill)."""
+    return req.branch.length < len(req.prompt)
+
+
 class Scheduler:
     def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None,
                  on_finish: Callable[[Request], None] | None = None, prefix_cache: bool | None = None) -> None:
@@ -200,11 +208,10 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
-    def _admit(self, forest: Forest, dlm: Forest | None) -> list[Request]:
+    def _admit(self, forest: Forest, dlm: Forest | None) -> None:
         """Move waiting requests in while the cache can hold all they may need."""
         room = forest.free_slots() - sum(r.need for r in self.live)
         dlm_room = dlm.free_slots() - sum(r.dlm_need for r in self.live) if dlm is not None else 0
-        admitted = []
         while self.waiting and len(self.live) < self.max_batch:
             group = [r for r in self.waiting[0] if not r.cancelled]
             for req in self.waiting[0]:
@@ -232,8 +239,6 @@ class Scheduler:
                 req.cached = len(hit)
                 req.admitted = time.perf_counter()
                 self.live.append(req)
-                admitted.append(req)
-        return admitted
 
     def _loop(self) -> None:
         with self.art.exclusive("scheduler"):
@@ -248,17 +253,17 @@ class Scheduler:
                         self._wake.wait()
                     if self._stop:
                         return
-                    admitted = set(map(id, self._admit(forest, dlm)))
+                    self._admit(forest, dlm)
                 if self.live:
                     try:
-                        self._step(forest, dlm, admitted)
+                        self._step(forest, dlm)
                     except Exception as exc:  # noqa: BLE001 - the step's requests fail; the server keeps serving
                         for req in list(self.live):
                             self._finish(forest, dlm, req, "error", f"{type(exc).__name__}: {exc}")
 
-    def _step(self, forest: Forest, dlm: Forest | None, admitted: set[int]) -> None:
-        """One call for every live request: prompts of the new ones, the newest token (and this round's
-        drafts) of the others."""
+    def _step(self, forest: Forest, dlm: Forest | None) -> None:
+        """One call (or a few) for every live request: the newest token (and this round's drafts) of the
+        running ones, then the next chunks of the prompts still being prefilled."""
         start, calls = time.perf_counter(), self.art.tlm.calls
         dlm_calls, self._predicted_ms = dlm.runner.calls if dlm else 0, 0.0
         accepted = self.stats["accepted"]
@@ -267,25 +272,35 @@ class Scheduler:
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
             if req.branch is None and req.leader not in self.live:
                 req.leader, req.branch = None, forest.attach(forest.cached_prefix(req.prompt))
-        proposals = self._propose(forest, dlm, [r for r in self.live if r.spec and id(r) not in admitted])
-        fed = [r for r in self.live if r.branch is not None]
-        if not fed:
-            return
-        chains, sees = [], []  # a new prompt past its cached prefix; the newest token and this round's proposal
-        for req in fed:
-            tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1]) if id(req) not in admitted else \
-                (req.prompt[req.branch.length:], None, None)
+        running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
+        proposals = self._propose(forest, dlm, [r for r in running if r.spec])
+        fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
+        for req in running:
+            tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1])
+            fed.append(req)
             chains.append(list(tokens))
             sees.append(tree)
-        keep = [1 if id(r) in admitted else len(c) for r, c in zip(fed, chains, strict=True)]  # drafts: every row
+            keep.append(len(tokens))  # drafts: every row's logits
+        budget = max(forest.max_rows // 4, forest.max_rows - sum(map(len, chains)))
+        for req in [r for r in self.live if r.branch is not None and _prefilling(r)]:
+            if budget <= 0:
+                break
+            n = min(budget, len(req.prompt) - req.branch.length)
+            fed.append(req)
+            chains.append(req.prompt[req.branch.length : req.branch.length + n])
+            sees.append(None)
+            keep.append(1)  # the chunk's last row: the prompt's logits once it is the last chunk
+            budget -= n
+        if not fed:
+            return
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
-            if req.branch is None:
+            if req.branch is None and id(req.leader) in rows_of and not _prefilling(req.leader):
                 req.branch, rows_of[id(req)] = forest.fork(req.leader.branch), rows_of[id(req.leader)]
         now, tokens, tested = time.perf_counter(), 0, 0
-        for req in list(self.live):
+        for req in [r for r in self.live if id(r) in rows_of and not _prefilling(r)]:
             (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
             if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
                 self._finish(forest, dlm, req, "error", NON_FINITE)

@@ -16,11 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 import runtime
+from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from runtime import ArtifactBusyError, NonFiniteLogitsError
 from runtime.request import decoding
 from serve.app import _Output, _stream, create_app
-from serve.scheduler import Event, Scheduler
+from serve.scheduler import Event, QueueFullError, Scheduler
+from tests.conftest import tiny_recipe
 
 PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, *range(100, 130)], [0, 77, 78], [0, 200, 201, 202]]
 
@@ -120,6 +122,29 @@ def test_requests_queued_together_share_calls(artifact_dir, reference, max_batch
     assert (scheduler.stats["calls"] < len(PROMPTS) * 16) == (max_batch is None)
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_streams(artifact_dir, reference, fewest_calls):
+    """Chunked prefill: every step is one call (the running requests' rows, then as much of the long
+    prompt as the largest graph has room for), so the short requests' first tokens come at the first
+    step, and every output equals the request run alone. Negative control: the long prompt fed whole in
+    one step (as before chunking) takes several calls in that step."""
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    long_prompt = [0, *range(10, 49)]  # 40 tokens: 5 of the largest graph's 9 rows at once
+    jobs = [([0, 5, 6], 12), ([0, 9, 10], 12), (long_prompt, 11)]
+    scheduler = Scheduler(art)
+    try:
+        with scheduler._wake:
+            requests = [scheduler.submit(p, decoding(max_new_tokens=n)) for p, n in jobs]
+        tokens = [[e.token for e in r.events() if e.token is not None] for r in requests]
+    finally:
+        scheduler.close()
+    assert tokens == [_greedy(reference, p, n).token_ids for p, n in jobs]
+    largest = max(g.tokens for g in art.tlm.graphs.values())
+    assert largest < len(long_prompt) and scheduler.stats["calls"] == scheduler.stats["steps"]
+    assert requests[0].first_token < requests[2].first_token  # a short request did not wait for the long prefill
+    assert len(art.tlm.plan(2 + len(long_prompt), largest)) > 1  # unchunked, that step needs several calls
+
+
 def test_sampled_choices_follow_their_seeds(served, reference):
     _, client = served
     r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.8,
@@ -214,6 +239,57 @@ def test_a_full_queue_is_a_429_with_retry_after(artifact_dir):
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.fixture(scope="module")
+def serving_dir(tmp_path_factory, checkpoints):
+    """A serving build: the tiny TLM with room for many requests at once (kv_slots 512)."""
+    return build_artifact(tiny_recipe(dlm=None, kv_slots=512), tmp_path_factory.mktemp("serving") / "art",
+                          tlm=str(checkpoints["llama-gqa"]), progress=False)
+
+
+def test_nothing_is_lost_under_load(serving_dir):
+    """48 requests at once on a cache that holds about a third of them: a third are cancelled after their
+    first token, the prefix cache fills and evicts, and every completed greedy answer equals the same
+    request run alone; a full queue refuses at once (QueueFullError: 429 with Retry-After), and the next
+    request is served normally."""
+    reference = runtime.load_artifact(serving_dir)
+    art = runtime.load_artifact(serving_dir)
+    for a in (reference, art):
+        a.eos_token_ids = frozenset()
+    prompts = [[0, *range(3 + 7 * (i % 12), 9 + 7 * (i % 12) + i % 5)] for i in range(48)]
+    scheduler = Scheduler(art, max_queue=48)
+    events: dict[int, list[Event]] = {i: [] for i in range(48)}
+    requests = []
+
+    def listener(i: int):
+        def on(event: Event) -> None:
+            events[i].append(event)
+            if i % 3 == 0 and len(events[i]) == 1:
+                scheduler.cancel(requests[i])
+        return on
+
+    try:
+        with scheduler._wake:
+            requests += [scheduler.submit(p, decoding(max_new_tokens=20 + i % 7), listener(i))
+                         for i, p in enumerate(prompts)]
+            with pytest.raises(QueueFullError, match="retry later"):
+                scheduler.submit([0, 1, 2], decoding(max_new_tokens=4))
+        deadline = time.time() + 120
+        while any(not e or e[-1].finish is None for e in events.values()) and time.time() < deadline:
+            time.sleep(0.05)
+        after = [e.token for e in scheduler.submit([0, 3, 4], decoding(max_new_tokens=5)).events() if e.token]
+    finally:
+        scheduler.close()
+    for i, prompt in enumerate(prompts):
+        finish = events[i][-1].finish
+        tokens = [e.token for e in events[i] if e.token is not None]
+        if i % 3 == 0:
+            assert finish == "cancelled" and len(tokens) == 1
+        else:
+            assert finish == "length" and tokens == _greedy(reference, prompt, 20 + i % 7).token_ids, i
+    assert scheduler.stats["prefix_cache_evicted"] > 0 and scheduler.stats["rejected"] == 1
+    assert after == _greedy(reference, [0, 3, 4], 5).token_ids
 
 
 def test_a_served_artifact_refuses_direct_generation(served):

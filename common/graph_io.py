@@ -53,6 +53,11 @@ def score_graph(k: int) -> str:
     return f"score{k}"
 
 
+def batch_graph(t: int) -> str:
+    """A serving build's graph of T rows between the score graphs and the prefill chunk (export.pipeline)."""
+    return f"batch{t}"
+
+
 def draft_lengths(k_max: int) -> tuple[int, ...]:
     """The compiled draft lengths: 1, 2, 3, 4, then powers of two and one less, and k_max itself.
     A score graph of T = 2^i rows (k = 2^i - 1) also runs 2^i requests' newest tokens in one call

@@ -28,17 +28,26 @@ class VocabularyMismatchError(ValueError):
     """A draft model whose tokens do not mean the same as the target's."""
 
 
+# A serving build's step graphs: 10-40 running requests' rows in one call of about their number, not padded
+# to the prefill chunk (a fixed-shape call computes every row it has room for).
+SERVING_ROWS = (16, 32)
+
+
 def graph_plan(recipe: Recipe, role: str) -> dict[str, int]:
     """Which fixed-T graphs each model needs (graphs share their weights, so they cost no memory).
 
     The TLM scores k+1 tokens for each compiled draft length k, up to the larger of the draft
     model's k and prompt lookup's max_draft, and has a lookahead graph for the recipe's lookahead
-    settings (unless a graph of that T exists already); the DLM catches up on 2.
+    settings (unless a graph of that T exists already); a serving build (kv_slots for two sequences
+    or more) has graphs of SERVING_ROWS rows below the prefill chunk too. The DLM catches up on 2.
     """
     if role == "tlm":
         k_max = max(recipe.k, recipe.prompt_lookup.max_draft)
         plan = {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1}
         plan |= {graph_io.score_graph(k): k + 1 for k in graph_io.draft_lengths(k_max)}
+        if recipe.capacity >= 2 * recipe.context_length:
+            plan |= {graph_io.batch_graph(t): t for t in SERVING_ROWS
+                     if t < recipe.prefill_chunk and t not in plan.values()}
         la = recipe.lookahead
         t = graph_io.lookahead_tokens(la.ngram, la.window, la.guesses)
         return plan if t in plan.values() else plan | {graph_io.LOOKAHEAD: t}

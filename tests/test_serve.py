@@ -241,11 +241,27 @@ def test_a_full_queue_is_a_429_with_retry_after(artifact_dir):
         assert r.json()["error"]["type"] == "rate_limit_error"
 
 
+def test_a_serving_build_gets_step_graphs_below_its_prefill_chunk():
+    """kv_slots for two sequences or more: graphs of 16 and 32 rows, so 10-40 running requests' step is not
+    padded to the 64-row prefill chunk; a build for one sequence at a time gets none."""
+    from dataclasses import replace
+
+    from export.pipeline import graph_plan
+    from recipes import get_recipe
+
+    recipe = get_recipe("smollm2-135m-chat")
+    assert not any(name.startswith("batch") for name in graph_plan(recipe, "tlm"))
+    plan = graph_plan(replace(recipe, kv_slots=8192), "tlm")
+    assert (plan["batch16"], plan["batch32"], plan["prefill"]) == (16, 32, 64)
+    assert sorted(plan.values()) == sorted(set(plan.values()))  # no two graphs of one size
+
+
 @pytest.fixture(scope="module")
 def serving_dir(tmp_path_factory, checkpoints):
-    """A serving build: the tiny TLM with room for many requests at once (kv_slots 512)."""
-    return build_artifact(tiny_recipe(dlm=None, kv_slots=512), tmp_path_factory.mktemp("serving") / "art",
-                          tlm=str(checkpoints["llama-gqa"]), progress=False)
+    """A serving build: the tiny TLM with room for many requests at once (kv_slots 512), and so step graphs
+    of 16 and 32 rows below its 48-row prefill chunk."""
+    return build_artifact(tiny_recipe(dlm=None, kv_slots=512, prefill_chunk=48), tmp_path_factory.mktemp("serving")
+                          / "art", tlm=str(checkpoints["llama-gqa"]), progress=False)
 
 
 def test_nothing_is_lost_under_load(serving_dir):
@@ -289,6 +305,7 @@ def test_nothing_is_lost_under_load(serving_dir):
         else:
             assert finish == "length" and tokens == _greedy(reference, prompt, 20 + i % 7).token_ids, i
     assert scheduler.stats["prefix_cache_evicted"] > 0 and scheduler.stats["rejected"] == 1
+    assert {"batch16": 16, "batch32": 32}.items() <= {g: e.tokens for g, e in art.tlm.entries.items()}.items()
     assert after == _greedy(reference, [0, 3, 4], 5).token_ids
 
 

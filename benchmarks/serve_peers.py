@@ -28,6 +28,7 @@ prefix-cache` compares prefill against prefill.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,6 +53,8 @@ QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What 
 def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
     """llama-cpp-python's OpenAI-compatible server on `gguf`, in its own process. It runs one request at a
     time; by default a new request interrupts the running one (its answer cut short), so that is off."""
+    if importlib.util.find_spec("sse_starlette") is None:  # else it exits at once, saying so only on its stderr
+        raise SystemExit("server llama.cpp needs llama-cpp-python's server extras: pip install -e '.[peers]'")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
                              "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",

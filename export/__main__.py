@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mx-lowering", choices=MX_LOWERINGS, help="override the TLM's MX lowering")
     p.add_argument("--mx-calibration", metavar="TEXT", help="override the TLM's calibration text (a path, "
                    "builtin:NAME, or none: MX rounds to nearest)")
+    p.add_argument("--ngram-table", metavar="FILE", help="prompt lookup's n-gram table (.npz from `python -m "
+                   "recipes.ngram_draft`, or none); refused if counted with another tokenizer than the TLM's "
+                   "(default: the recipe's, left out with a note when --tlm brings another tokenizer)")
     p.add_argument("--kv-slots", type=int, help="override the recipe's KV cache slots (shared by a server's "
                    "requests; default: the recipe's, else its context_length)")
     p.add_argument("--target", choices=TARGETS, help="override the recipe's target (ort-cuda: float16 graphs for "
@@ -75,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots
         recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots, target=args.target or recipe.target))
         out = args.out or Path("artifacts") / recipe.name
-        path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force)
+        table = "" if args.ngram_table == "none" else args.ngram_table
+        path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force,
+                              ngram_table=table)
     except (RecipeError, ModelNotFoundError, VocabularyMismatchError, DoesNotFitError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 
 from common import graph_io
-from common.ngram_table import NgramTable
+from common.ngram_table import NgramTable, NgramTableError
 from common.recipe import ModelSpec, Recipe
 from common.staging import check_output, clean_stale, make_staging
 from compiler.build import compile_artifact
@@ -84,6 +84,20 @@ def weight_passes(spec: ModelSpec, model_dir: Path, context_length: int, progres
     return PassChain(passes + ([Float16Pass()] if spec.dtype == "float16" else []))
 
 
+def _checked_table(table: NgramTable, file: Path, tokenizer_dir: Path, vocab_size: int,
+                   optional: bool) -> Path | None:
+    """The table file to ship: refused if counted with another tokenizer, or left out when `optional`."""
+    try:
+        table.check_vocabulary(tokenizer_dir, vocab_size, "the TLM")
+    except NgramTableError:
+        if not optional:
+            raise
+        log.warning("note: the recipe's n-gram table %s was counted with another tokenizer than this TLM's; "
+                    "exporting without it (prompt lookup drafts from the prompt only)", file.name)
+        return None
+    return file
+
+
 def build_artifact(
     recipe: Recipe,
     out_dir: Path,
@@ -91,12 +105,18 @@ def build_artifact(
     dlm: str | None = None,
     progress: bool = True,
     force: bool = False,
+    ngram_table: str | None = None,
 ) -> Path:
-    """Export and compile a recipe; `tlm`/`dlm` override the recipe's model references.
+    """Export and compile a recipe; `tlm`/`dlm`/`ngram_table` override the recipe's references.
 
-    A `dlm` given for a recipe without a draft model becomes its draft model (float32). An existing
-    out_dir is replaced only if it is empty or one of our artifacts, unless `force`.
+    A `dlm` given for a recipe without a draft model becomes its draft model (float32). The recipe's
+    n-gram table was counted for the recipe's TLM: with another `tlm` whose tokenizer differs, the
+    artifact ships without it (an optimisation nobody asked for), saying so; a table named here or
+    in a recipe whose TLM is kept is refused instead. An existing out_dir is replaced only if it is
+    empty or one of our artifacts, unless `force`.
     """
+    table_optional = ngram_table is None and tlm is not None
+    ngram_table = recipe.ngram_table if ngram_table is None else ngram_table
     check_output(Path(out_dir), force)  # before resolving: a symlink at --out is refused, not followed
     out_dir = Path(out_dir).resolve()
     if tlm is not None:
@@ -107,7 +127,7 @@ def build_artifact(
         recipe = replace(recipe, dlm=replace(recipe.dlm or ModelSpec(model=dlm), model=dlm))
     specs = {"tlm": recipe.tlm} | ({"dlm": recipe.dlm} if recipe.dlm is not None else {})
     dirs = {role: resolve_model_dir(spec.model, role.upper()) for role, spec in specs.items()}
-    table_file = resolve_ngram_table(recipe.ngram_table) if recipe.ngram_table else None
+    table_file = resolve_ngram_table(ngram_table) if ngram_table else None
     table = NgramTable.load(table_file) if table_file else None  # a damaged file is refused before exporting
     check_export_fits(dirs, specs, out_dir, recipe.context_length)
     models = {role: placeholder_model(d, recipe.context_length) for role, d in dirs.items()}
@@ -128,7 +148,8 @@ def build_artifact(
                 tokenizer_dir=dirs[role], passes=passes, role=role, progress=progress,
             )
             if role == "tlm" and table is not None:
-                table.check_vocabulary(exports[role] / "tokenizer", model.config.vocab_size, "the TLM")
+                table_file = _checked_table(table, table_file, exports[role] / "tokenizer",
+                                            model.config.vocab_size, table_optional)
         return compile_artifact(exports, recipe, out_dir, progress=progress, force=force, ngram_table=table_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -99,6 +99,32 @@ def test_a_table_from_another_tokenizer_is_refused(tmp_path):
         table.check_vocabulary(tmp_path / "tok", 300, "the TLM")
 
 
+def test_another_tlm_exports_without_the_recipes_table_but_a_named_table_is_refused(tmp_path, checkpoints,
+                                                                                     caplog):
+    """The recipe's table belongs to the recipe's TLM: `--tlm` with another tokenizer drops it with one
+    note; the same table named explicitly (--ngram-table) stops the export, leaving no artifact."""
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    other = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    vocab = other["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(other))
+    table = ngram_draft.table_from_counts(ngram_draft.count([([0, 1], [5, 6, 7])], 3, 1), 3, tmp_path / "tok",
+                                          260, {})
+    table.save(tmp_path / "other.npz")
+    recipe = tiny_recipe(dlm=None, context_length=64, ngram_table=str(tmp_path / "other.npz"))
+    with caplog.at_level("WARNING", logger="mxspd.export"):
+        art = runtime.load_artifact(build_artifact(recipe, tmp_path / "art", tlm=str(checkpoints["llama-gqa"]),
+                                                   progress=False))
+    assert art.ngram_table is None and not (art.path / FILE).exists()
+    notes = [r.getMessage() for r in caplog.records if "another tokenizer" in r.getMessage()]
+    assert len(notes) == 1 and "other.npz" in notes[0] and "\n" not in notes[0]
+    with pytest.raises(NgramTableError, match="another tokenizer"):
+        build_artifact(recipe, tmp_path / "named", tlm=str(checkpoints["llama-gqa"]), progress=False,
+                       ngram_table=str(tmp_path / "other.npz"))
+    assert not (tmp_path / "named").exists()
+
+
 def test_draft_prefers_a_long_match_then_the_table_then_a_short_match(tmp_path):
     table = table_of([([0], [5, 6, 7, 8])], tmp_path)
     s = PromptLookupSettings(max_draft=3)

@@ -13,7 +13,7 @@ setup(
             sources=["kernels/register.cc", "kernels/mx_matmul.cc", "kernels/mx_matmul_gpu.cc", "kernels/row_matmul.cc",
                      "kernels/attention.cc", "kernels/rotary.cc", "kernels/swiglu.cc"],
             depends=["kernels/ort_api.h", "kernels/exp.h", "kernels/prologue.h", "kernels/rotary.h",
-                     "kernels/mx_gpu_layout.h"],
+                     "kernels/mx_gpu_layout.h", "kernels/mx_gpu_op.h"],
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,

@@ -9,19 +9,15 @@
 
 #include <cmath>
 #include <cstring>
-#include <new>
 
 #include "mx_gpu_layout.h"
+#include "mx_gpu_op.h"
 #include "ort_api.h"
 
 namespace mxspd {
 namespace {
 
 using namespace gpu_layout;
-
-struct Kernel {
-  int64_t k, n, weight_bits;
-};
 
 struct Problem {
   const float* a;
@@ -50,19 +46,8 @@ void column(void* user, size_t index) {
   }
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t k = 0, n = 0, wbits = 6;
-  if (OrtStatus* s = g_api.attribute(info, "K", &k)) return s;
-  if (OrtStatus* s = g_api.attribute(info, "N", &n)) return s;
-  g_api.optional_attribute(info, "weight_bits", 6, &wbits);
-  if (k <= 0 || n <= 0) return g_api.error("MXMatMulGPU: attributes K and N must be positive");
-  if (wbits != 6 && wbits != 8) return g_api.error("MXMatMulGPU: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  *out = new (std::nothrow) Kernel{k, n, wbits};
-  return *out ? nullptr : g_api.error("MXMatMulGPU: out of memory");
-}
-
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
-  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  const gpu_op::Kernel& kernel = *static_cast<gpu_op::Kernel*>(op_kernel);
   const float* a = nullptr;
   std::vector<int64_t> adims, wdims, sdims;
   if (OrtStatus* st = g_api.tensor(ctx, 0, &a, &adims)) return st;
@@ -71,17 +56,9 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   if (OrtStatus* st = g_api.input(ctx, 2, &s)) return st;
   if (OrtStatus* st = g_api.shape(w, &wdims)) return st;
   if (OrtStatus* st = g_api.shape(s, &sdims)) return st;
-  const int64_t kb = (kernel.k + kBlock - 1) / kBlock;
-  const int64_t bytes = kernel.weight_bits == 8 ? kBlockBytes<8> : kBlockBytes<6>;
-  if (adims.empty() || adims.back() != kernel.k)
-    return g_api.error("MXMatMulGPU: the last dimension of A must equal attribute K");
-  if (wdims != std::vector<int64_t>{kernel.n, kb, bytes} || sdims != std::vector<int64_t>{kernel.n, kb})
-    return g_api.error("MXMatMulGPU: W must be uint8 [N, ceil(K/32), 24 (weight_bits 6) or 32 (8)] and S uint8 "
-                       "[N, ceil(K/32)] (kernels/layout.py, pack_gpu)");
-  int64_t m = 1;
-  for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
-  std::vector<int64_t> ydims = adims;
-  ydims.back() = kernel.n;
+  int64_t m = 0, kb = 0;
+  std::vector<int64_t> ydims;
+  if (OrtStatus* st = gpu_op::check_shapes(kernel, adims, wdims, sdims, &m, &kb, &ydims)) return st;
   float* y = nullptr;
   if (OrtStatus* st = g_api.output_data(ctx, 0, ydims, &y)) return st;
   void *pw = nullptr, *ps = nullptr;
@@ -98,8 +75,8 @@ const OrtCustomOp* mx_matmul_gpu_op() {
   static const OrtCustomOp op = make_op(
       [](const OrtCustomOp*) { return "MXMatMulGPU"; },
       [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kUint8; },
-      [](const OrtCustomOp*) -> size_t { return 3; }, create_kernel, compute,
-      [](void* k) { delete static_cast<Kernel*>(k); });
+      [](const OrtCustomOp*) -> size_t { return 3; }, gpu_op::create_kernel, compute,
+      gpu_op::delete_kernel);
   return &op;
 }
 

@@ -19,15 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.memory import pss_bytes
+
 GIB = 2**30
-
-
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def _disk(out: Path) -> int:
@@ -55,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def sample() -> None:
         while child.poll() is None:
-            peaks["pss"] = max(peaks["pss"], _pss(child.pid))
+            peaks["pss"] = max(peaks["pss"], pss_bytes(child.pid))
             peaks["disk"] = max(peaks["disk"], _disk(out))
             time.sleep(1.0)
 

@@ -20,6 +20,15 @@ import tempfile
 from pathlib import Path
 
 
+def pss_bytes(pid: int) -> int:
+    """PSS of process `pid` (/proc/PID/smaps_rollup), bytes; 0 for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def smaps_mib() -> dict[str, float]:
     """Pss and Anonymous of this process, MiB (/proc/self/smaps_rollup)."""
     out = {}

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bandwidth import cpu_name
+from benchmarks.memory import pss_bytes
 from benchmarks.serve_load import chat_turn, free_port, serve, wait_ready
 
 QUESTIONS = ["What is a Python list?", "How do I read a file in Python?", "What is a dictionary?",
@@ -65,17 +66,16 @@ def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
 
 def tree_pss_mib(pid: int) -> float:
     """PSS of a server process and every process under it (vLLM runs its engine in a child), MiB."""
-    total, todo = 0.0, [pid]
+    total, todo = 0, [pid]
     while todo:
         p = todo.pop()
+        total += pss_bytes(p)
         try:
-            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
-            total += next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")) / 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, StopIteration):
+        except OSError:
             continue  # gone meanwhile
-    return total
+    return total / 2**20
 
 
 def serve_vllm(python: str, gguf: str, threads: int) -> tuple[subprocess.Popen, str]:

@@ -25,7 +25,7 @@ from benchmarks.decode import TLM, checkpoint
 from common import graph_io
 from common.graph_io import ModelDims
 from common.onnx_store import save_shared
-from common.targets import OFFLINE_LEVEL, session_options, spin_within_calls
+from common.targets import TARGETS, session_options, spin_within_calls
 from export.loader import load_model
 from export.onnx_export import model_dims, trace_graph
 
@@ -34,7 +34,7 @@ VARIANTS = {"concat": False, "split": True}  # name -> trace_graph(split_attenti
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:
     so = spin_within_calls(session_options(threads))
-    so.graph_optimization_level = OFFLINE_LEVEL["ort-cpu"]
+    so.graph_optimization_level = TARGETS["ort-cpu"].offline_level
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 

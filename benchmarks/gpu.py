@@ -36,7 +36,7 @@ from benchmarks.mx_decode import LONG_ANSWER
 from benchmarks.peers import Genai
 from common import graph_io
 from common.manifest import read_manifest
-from common.targets import DEVICE, compiled_session_options, providers
+from common.targets import compiled_session_options, get_target
 from compiler.costs import call_inputs
 from runtime.request import encode_prompt
 
@@ -48,9 +48,10 @@ def placement(artifact: Path, graph: str = graph_io.DECODE) -> dict[str, dict[st
     so = compiled_session_options(manifest.target)
     so.enable_profiling = True
     so.profile_file_prefix = f"/tmp/mxspd-placement-{artifact.name}"
-    session = ort.InferenceSession(str(artifact / entry.graphs[graph].file), so, providers=providers(manifest.target))
+    target = get_target(manifest.target)
+    session = ort.InferenceSession(str(artifact / entry.graphs[graph].file), so, providers=target.providers())
     session.run_with_ort_values([graph_io.LOGITS], call_inputs(entry.dims, entry.graphs[graph].tokens,
-                                                               manifest.capacity, DEVICE[manifest.target]))
+                                                               manifest.capacity, target.device))
     counts: dict[str, Counter] = {}
     for event in json.loads(Path(session.end_profiling()).read_text()):
         args = event.get("args", {})

@@ -34,7 +34,7 @@ def one_load(path: Path, prompt: str, new_tokens: int, shared: bool) -> dict:
     load_s = time.perf_counter() - t0
     r = runtime.generate(art, prompt, max_new_tokens=new_tokens, speculative=False)
     taken = free - torch.cuda.mem_get_info()[0]
-    held = sum(m.shared.nbytes for m in art.runners.values() if m.shared is not None)
+    held = sum(m.place.shared.nbytes for m in art.runners.values() if m.place.shared is not None)
     del art
     gc.collect()
     return {"gpu_memory_taken_gb": round(taken / 1e9, 2), "shared_weights_gb": round(held / 1e9, 2),

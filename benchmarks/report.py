@@ -40,7 +40,7 @@ from benchmarks.memory import weights_file_mib
 from benchmarks.variants import build_cached, variant
 from common.recipe import TARGETS
 from common.resources import DoesNotFitError
-from common.targets import DEVICE, PROVIDERS
+from common.targets import get_target
 from export.loader import is_available
 from recipes import DEFAULT_RECIPE, get_recipe
 from runtime.request import check_draft_length
@@ -172,9 +172,9 @@ def metadata(recipe, arts: dict, args) -> dict:
                        "DLM": (recipe.dlm.mx_format or recipe.dlm.dtype) if recipe.dlm else None},
         "k": recipe.k, "context_length": recipe.context_length, "max_new_tokens": args.max_new_tokens
         or recipe.max_new_tokens, "prompts": len(recipe.prompts), "warmup": args.warmup, "repeats": args.repeats,
-        "sampling": "greedy", "onnxruntime": ort.__version__, "provider": PROVIDERS[recipe.target][0],
+        "sampling": "greedy", "onnxruntime": ort.__version__, "provider": get_target(recipe.target).provider,
         "machine": {"cpu": cpu_name(),
-                    "gpu": gpu_name() if DEVICE[recipe.target] == "cuda" else None,
+                    "gpu": gpu_name() if get_target(recipe.target).device == "cuda" else None,
                     "cores": len(os.sched_getaffinity(0)),
                     "system": platform.platform(), "python": platform.python_version()},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if path and getattr(recipe, role) is not None:
             recipe = replace(recipe, **{role: replace(getattr(recipe, role), model=path)})
     recipe = replace(recipe, target=args.target or recipe.target)
-    on_gpu = DEVICE[recipe.target] == "cuda"
+    on_gpu = get_target(recipe.target).device == "cuda"
     out = args.out / recipe.name
     out.mkdir(parents=True, exist_ok=True)
     if not recipe.prompts or (recipe.dlm is None and recipe.speculation == "draft"):

@@ -1,4 +1,5 @@
-"""What each target means for ONNX Runtime: providers, and the optimisation done ahead of time.
+"""What each target means for ONNX Runtime (one `Target` record each: provider, device, the optimisation
+done ahead of time, float16, prepacking) and how its sessions are opened.
 
 Read by the compiler (to build for a target) and the runtime (to open sessions the same way), so
 it lives with the shared types."""
@@ -12,6 +13,7 @@ import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -19,24 +21,45 @@ import onnxruntime as ort
 
 from kernels import cuda_library_path, library_path
 
-PROVIDERS = {
-    "ort-cpu": ["CPUExecutionProvider"],
-    "ort-cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-}
-# Saved offline at EXTENDED: it is portable across machines of the target (ALL adds layout
+
+@dataclass(frozen=True)
+class Target:
+    """Everything a target means, in one record: read by the compiler to build for it and by the runtime
+    (runtime/placement.py) to open its sessions and place its tensors the same way."""
+
+    name: str
+    provider: str  # the execution provider its sessions must get (ONNX Runtime falls back silently)
+    device: str  # where its tensors live: the runtime keeps the KV cache and bound buffers there
+    offline_level: ort.GraphOptimizationLevel  # the optimisation the compiler saves ahead of time
+    float16: bool  # its graphs compute in float16
+    prepacked: bool  # its compiled graphs carry ONNX Runtime's prepacked weights (CPU kernels' layouts)
+
+    def providers(self, cuda_graph: bool = False) -> list:
+        """The providers to open its sessions with; `cuda_graph`: replay each fixed-shape graph's kernels
+        as one CUDA graph (its inputs and outputs must stay bound at the same device addresses)."""
+        if self.device == "cuda":
+            return [(self.provider, {"enable_cuda_graph": "1" if cuda_graph else "0"}), "CPUExecutionProvider"]
+        return [self.provider]
+
+
+# Saved offline at EXTENDED on the CPU: it is portable across machines of the target (ALL adds layout
 # transforms specific to the CPU that runs them). CUDA graphs are prepared provider-independently
 # (BASIC) so that they can be built on a machine without a GPU.
-OFFLINE_LEVEL = {
-    "ort-cpu": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "ort-cuda": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+TARGETS = {
+    "ort-cpu": Target("ort-cpu", "CPUExecutionProvider", "cpu", ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                      float16=False, prepacked=True),
+    "ort-cuda": Target("ort-cuda", "CUDAExecutionProvider", "cuda", ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                       float16=True, prepacked=False),
 }
 
-# Where each target's tensors live (the runtime keeps the KV cache there) and which compute in float16.
-DEVICE = {"ort-cpu": "cpu", "ort-cuda": "cuda"}
-FLOAT16_TARGETS = ("ort-cuda",)
 
-# Targets whose compiled graphs carry ONNX Runtime's prepacked weights (CPU kernels' layouts).
-PREPACKED_TARGETS = ("ort-cpu",)
+def get_target(name: str) -> Target:
+    """The target of this name; an unknown name is refused with the list."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; choose one of {sorted(TARGETS)}")
+    return TARGETS[name]
+
+
 # CPU features that select MLAS kernels, and so the layout of prepacked weights.
 _KERNEL_FLAGS = (
     "sse3", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq",
@@ -71,20 +94,13 @@ def check_prepacked(built_for: dict[str, str]) -> None:
         )
 
 
-def providers(target: str, cuda_graph: bool = False) -> list:
-    """The providers to open a target's sessions with; `cuda_graph`: replay each fixed-shape graph's
-    kernels as one CUDA graph (its inputs and outputs must stay bound at the same device addresses)."""
-    if target == "ort-cuda":
-        return [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"}), "CPUExecutionProvider"]
-    return list(PROVIDERS[target])
-
-
 def check_session(session: ort.InferenceSession, target: str) -> None:
     """ONNX Runtime falls back to the CPU silently when the GPU provider cannot start (no GPU, no CUDA
     libraries): refuse instead of running a GPU artifact's float16 graphs on the CPU."""
-    if session.get_providers()[0] != PROVIDERS[target][0]:
+    needed = TARGETS[target].provider
+    if session.get_providers()[0] != needed:
         raise TargetUnavailableError(
-            f"target {target!r}: ONNX Runtime could not start {PROVIDERS[target][0]} (no GPU visible, or CUDA/cuDNN "
+            f"target {target!r}: ONNX Runtime could not start {needed} (no GPU visible, or CUDA/cuDNN "
             f"libraries missing; see ONNX Runtime's log above); this session got {session.get_providers()}"
         )
 
@@ -105,9 +121,8 @@ def _installed(distribution: str) -> bool:
 
 
 def check_target(target: str) -> None:
-    if target not in PROVIDERS:
-        raise ValueError(f"unknown target {target!r}; choose one of {sorted(PROVIDERS)}")
-    needed = PROVIDERS[target][0]
+    """Refuse a target whose execution provider this ONNX Runtime lacks, saying how to get it."""
+    needed = get_target(target).provider
     available = ort.get_available_providers()
     if needed not in available:
         both = _installed("onnxruntime") and _installed("onnxruntime-gpu")
@@ -119,7 +134,8 @@ def check_target(target: str) -> None:
                f"For ort-cuda, on a machine with an NVIDIA GPU: `pip install 'mxspd[cuda]'`, then {_GPU_INSTALL}; ")
             + "for this machine use target ort-cpu."
         )
-    if target == "ort-cuda" and importlib.util.find_spec("nvidia") is not None and hasattr(ort, "preload_dlls"):
+    on_gpu = get_target(target).device == "cuda"
+    if on_gpu and importlib.util.find_spec("nvidia") is not None and hasattr(ort, "preload_dlls"):
         with contextlib.suppress(Exception):  # else the session's start names what is missing (check_session)
             ort.preload_dlls()  # pip's CUDA and cuDNN wheels (the [cuda] extra) are not on the loader's path
 
@@ -134,7 +150,7 @@ def session_options(threads: int | None = None, library: Path | None = None, tar
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    lib = library or (cuda_library_path() if target in FLOAT16_TARGETS else library_path())
+    lib = library or (cuda_library_path() if TARGETS[target].device == "cuda" else library_path())
     if lib is not None:  # mxspd's own ops (ai.mxspd), for graphs that use them
         so.register_custom_ops_library(str(lib))
     return so
@@ -194,7 +210,7 @@ def compiled_session_options(target: str, threads: int | None = None) -> ort.Ses
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
     so = session_options(threads, target=target)
     spin_within_calls(so)
-    if target in PREPACKED_TARGETS:
+    if TARGETS[target].prepacked:
         # Optimised at build time; optimising again could change a weight and so miss its
         # prepacked blob (ORT would then repack a private copy silently).
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

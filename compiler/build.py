@@ -29,15 +29,7 @@ from common.onnx_store import SharedFile, merge_external, read_tensor, save_grap
 from common.recipe import Recipe
 from common.shared_weights import SharedWeights
 from common.staging import MARKER, check_output, make_staging
-from common.targets import (
-    DEVICE,
-    FLOAT16_TARGETS,
-    OFFLINE_LEVEL,
-    PREPACKED_TARGETS,
-    PROVIDERS,
-    platform_signature,
-    session_options,
-)
+from common.targets import get_target, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.float16 import KV_DTYPE, to_float16
 from compiler.invariance import check_invariant, inline_attention, make_invariant
@@ -71,12 +63,12 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     instead of repacking a private copy per graph.
     """
     so = session_options()
-    so.graph_optimization_level = OFFLINE_LEVEL[target]
+    so.graph_optimization_level = get_target(target).offline_level
     out = workdir / f"opt-{graph.stem}.onnx"
     so.optimized_model_filepath = str(out)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{out.stem}.bin")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    if target in PREPACKED_TARGETS:
+    if get_target(target).prepacked:
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     return out
@@ -128,7 +120,7 @@ def _shared(consumers: set[tuple[str, str]], length: int, target: str) -> bool:
     weights (MatMul, MatMulNBits) into blobs the artifact carries, and would repack a tensor it is handed
     into a private copy; a Gather reads a row of the embedding table per token, which its own mapping
     keeps in the pages those rows touch."""
-    if target not in PREPACKED_TARGETS:
+    if not get_target(target).prepacked:
         return length >= SHARED_MIN_BYTES
     return bool(consumers) and all(domain == NATIVE_DOMAIN for domain, _ in consumers)
 
@@ -160,7 +152,7 @@ def effective_lowering(lowering: str, target: str) -> str:
                       "built at install (no C++ compiler?); falling back to 'fused' (MatMulNBits: 8-bit codes and a "
                       "scale per block of 32)", stacklevel=2)
         return "fused"
-    return GPU_LOWERING if target in FLOAT16_TARGETS else lowering
+    return GPU_LOWERING if get_target(target).device == "cuda" else lowering
 
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
@@ -182,7 +174,7 @@ def effective_invariance(wanted: bool, target: str) -> bool:
     if not wanted:
         return False
     why = ("its library was not built at install (no C++ compiler?)" if library_path() is None
-           else f"they run on the CPU only, and the target is {target}" if target not in PREPACKED_TARGETS else None)
+           else f"they run on the CPU only, and the target is {target}" if not get_target(target).prepacked else None)
     if why is not None:
         warnings.warn(f"batch-invariant graphs need mxspd's kernels, and {why}: this artifact's speculation and "
                       "batching may differ from autoregressive decoding in the last bits (near-ties can flip)",
@@ -204,10 +196,10 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
             graph, lowered, shapes = _lower(export_dir, name, lowering, invariant, shared, memo)
             path = _optimize(graph, target, work)
-            if target in FLOAT16_TARGETS:
+            if get_target(target).float16:
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
-            if target not in FLOAT16_TARGETS:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
+            if not get_target(target).float16:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
                 fusions = fuse_skip_norms(optimised, shapes)
                 if invariant:
                     fusions += fuse_swiglu(optimised)
@@ -229,8 +221,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     # one copy of the weights for all the graphs' sessions (on the CPU: one mapping, in 2 MiB pages)
     index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
     (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
-    shared = SharedWeights(out_dir, out_dir / info["weights"], DEVICE[target])
-    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target in FLOAT16_TARGETS else {}))
+    shared = SharedWeights(out_dir, out_dir / info["weights"], get_target(target).device)
+    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if get_target(target).float16 else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target, shared=shared)
@@ -275,8 +267,7 @@ def compile_artifact(
 
     An existing out_dir is replaced only if it is empty or one of our artifacts (or `force`).
     """
-    if recipe.target not in PROVIDERS:
-        raise ValueError(f"unknown target {recipe.target!r}; choose one of {sorted(PROVIDERS)}")
+    get_target(recipe.target)  # an unknown one is refused before anything is written
     start = time.perf_counter()
     check_output(Path(out_dir), force)  # before resolving: a symlink at --out is refused, not followed
     out_dir = Path(out_dir).resolve()
@@ -309,7 +300,7 @@ def compile_artifact(
             files=files,
             recipe=recipe.to_dict(),
             tools=_tools(),
-            prepacked_for=platform_signature() if recipe.target in PREPACKED_TARGETS else {},
+            prepacked_for=platform_signature() if get_target(recipe.target).prepacked else {},
             build_seconds=round(time.perf_counter() - start, 2),
         )
         (staging / MANIFEST_NAME).write_text(manifest.to_json())

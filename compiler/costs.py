@@ -17,13 +17,12 @@ from common.graph_io import ModelDims
 from common.manifest import ArtifactError
 from common.shared_weights import SharedWeights
 from common.targets import (
-    DEVICE,
     TargetUnavailableError,
     check_session,
     check_target,
     compiled_session_options,
+    get_target,
     parked_pools,
-    providers,
 )
 
 # Cache slots each row sees while timing. Attention's cost follows the keys a row sees (hidden ones are
@@ -83,10 +82,11 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
         so = compiled_session_options(target)
         return shared.add_to(graph, so) if shared is not None else so
 
-    cuda_graph = DEVICE[target] == "cuda"
+    device = get_target(target).device
+    cuda_graph = device == "cuda"
     try:
         with parked_pools():  # as the runtime runs them: mapped blobs, spinning within calls, weights shared
-            sessions = {n: ort.InferenceSession(str(p), options(n), providers=providers(target, cuda_graph))
+            sessions = {n: ort.InferenceSession(str(p), options(n), providers=get_target(target).providers(cuda_graph))
                         for n, (p, _) in graphs.items()}
     except ArtifactError:  # the index or the weights file is wrong: the build must say so
         raise
@@ -97,7 +97,7 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
             check_session(session, target)
     except TargetUnavailableError:
         return {}
-    calls = {n: (s, *bound_call(s, dims, graphs[n][1], context, DEVICE[target])) for n, s in sessions.items()}
+    calls = {n: (s, *bound_call(s, dims, graphs[n][1], context, device)) for n, s in sessions.items()}
     warm = 3 if cuda_graph else 1  # ONNX Runtime's CUDA provider captures a graph on a session's third run
     times: dict[str, list[float]] = {n: [] for n in graphs}
     for i in range(repeats + warm):

@@ -26,6 +26,8 @@ from common.targets import TargetUnavailableError, check_session, compiled_sessi
 from compiler import build
 from compiler.float16 import norm_statistics, to_float16
 from export.pipeline import build_artifact
+from runtime.device_placement import DevicePlacement
+from runtime.host_placement import HostPlacement
 from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe
 
@@ -36,7 +38,7 @@ NO_CUDA = "CUDAExecutionProvider" not in ort.get_available_providers()
 def both(artifact_dir):
     """The shared tiny artifact loaded twice: host numpy cache, and the device-cache path on the CPU."""
     host, device = runtime.load_artifact(artifact_dir), runtime.load_artifact(artifact_dir, device_cache=True)
-    assert host.tlm.kv is None and device.tlm.kv is not None and device.tlm.cache == []
+    assert isinstance(host.tlm.place, HostPlacement) and isinstance(device.tlm.place, DevicePlacement)
     return host, device
 
 
@@ -93,23 +95,23 @@ def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both,
     assert art.manifest.models["tlm"].batch_invariant  # so every padding row's logits are the same bits
     prompt, options = "import sys\nimport os\n", dict(speculative="draft", draft_length=3, max_new_tokens=8)
     first = runtime.generate(art, prompt, **options)
-    assert art.tlm.captured == set()  # no CUDA graphs, no captures
+    assert art.tlm.place.captured == set()  # no CUDA graphs, no captures
     for runner in art.runners.values():
-        runner.cuda_graph = True
+        runner.place.cuda_graph = True
     calls = art.tlm.calls
     art.tlm.capture_graphs()
-    assert art.tlm.captured == {threading.get_ident()} and art.tlm.calls == calls
+    assert art.tlm.place.captured == {threading.get_ident()} and art.tlm.calls == calls
     host.tlm.rewind(0)
     alone = host.tlm.run(graph_io.DECODE, np.array([0]))  # token 0 at position 0, seeing only itself
     for g in art.tlm.graphs.values():
-        assert np.array_equal(g.download()[0], np.repeat(alone, g.tokens, axis=0))
+        assert np.array_equal(g.logits()[0], np.repeat(alone, g.tokens, axis=0))
     again: list = []
     worker = threading.Thread(target=lambda: again.append((runtime.generate(art, prompt, **options),
                                                           threading.get_ident())))
     worker.start()
     worker.join()
     result, ident = again[0]
-    assert art.tlm.captured == {threading.get_ident(), ident} and ident in art.dlm.captured
+    assert art.tlm.place.captured == {threading.get_ident(), ident} and ident in art.dlm.place.captured
     assert art.tlm.reused > 0 and result.token_ids == first.token_ids
 
 
@@ -187,9 +189,9 @@ def test_a_float16_device_cache_commits_what_a_float16_host_cache_commits(cuda_a
     """Two-byte slots: the layer offsets and the store graph in float16 (run on the CPU provider, at the
     GPU target's optimisation level: at the CPU target's ORT_DISABLE_ALL, ONNX Runtime's CPU float16 path
     computes these graphs wrongly, docs/benchmarks.md "GPU target")."""
-    from runtime import model_runner
+    from runtime import placement
 
-    monkeypatch.setattr(model_runner, "compiled_session_options",
+    monkeypatch.setattr(placement, "compiled_session_options",
                         lambda target, threads=None: compiled_session_options("ort-cuda", threads))
     manifest = read_manifest(cuda_artifact)
     entry = manifest.models["tlm"]
@@ -202,18 +204,18 @@ def test_a_float16_device_cache_commits_what_a_float16_host_cache_commits(cuda_a
         logits.append(runner.forward(graph_io.DECODE, np.array([11])))
     np.testing.assert_array_equal(*logits)
     # the device runner's sessions used one shared copy of each weight (the same values as their own)
-    listed = [row for rows in runner.shared.index.values() for row in rows]
-    assert len(runner.shared.index) == len(entry.graphs) and len(listed) >= 7 * len(entry.graphs)
-    assert 0 < len(runner.shared.values) < len(listed)  # each distinct tensor once, for every graph
+    listed = [row for rows in runner.place.shared.index.values() for row in rows]
+    assert len(runner.place.shared.index) == len(entry.graphs) and len(listed) >= 7 * len(entry.graphs)
+    assert 0 < len(runner.place.shared.values) < len(listed)  # each distinct tensor once, for every graph
 
 
 def test_device_sessions_compute_with_the_weights_they_are_handed(cuda_artifact, monkeypatch, tmp_path):
     """The control for the shared weights: handed a zeroed copy of the weights file, the sessions compute
     something else, so they use the tensors they are handed, not a copy of their own."""
     from common.shared_weights import SharedWeights
-    from runtime import model_runner
+    from runtime import placement
 
-    monkeypatch.setattr(model_runner, "compiled_session_options",
+    monkeypatch.setattr(placement, "compiled_session_options",
                         lambda target, threads=None: compiled_session_options("ort-cuda", threads))
     manifest = read_manifest(cuda_artifact)
     entry = manifest.models["tlm"]
@@ -334,3 +336,22 @@ def test_float16_values_equal_onnxruntimes_conversion_bit_for_bit():
         assert got.view(np.uint16).tobytes() == want.view(np.uint16).tobytes()
     with np.errstate(over="ignore"):  # the control: a plain cast differs (it overflows to infinity)
         assert float16_values(wide).tobytes() != wide.astype(np.float16).tobytes()
+
+
+def test_each_target_is_one_record_and_the_runtimes_device_code_one_file():
+    """What a target means is one `Target` record (an unknown name is refused with the list), and the
+    runtime's device code (device tensors, their updates, CUDA graphs) lives in runtime/device_placement.py
+    only: a reader finds it in one file."""
+    import re
+    from pathlib import Path
+
+    assert {name: (t.device, t.float16, t.prepacked) for name, t in targets.TARGETS.items()} == {
+        "ort-cpu": ("cpu", False, True), "ort-cuda": ("cuda", True, False)}
+    assert targets.get_target("ort-cuda").providers(cuda_graph=True)[0] == (
+        "CUDAExecutionProvider", {"enable_cuda_graph": "1"})
+    with pytest.raises(ValueError, match=r"unknown target 'ort-tpu'; choose one of \['ort-cpu', 'ort-cuda'\]"):
+        targets.get_target("ort-tpu")
+    device_code = re.compile(r"OrtValue|ortvalue|update_inplace|enable_cuda_graph|captured")
+    found = {p.name for folder in ("runtime", "serve") for p in (Path(__file__).parents[1] / folder).glob("*.py")
+             if device_code.search(p.read_text())}
+    assert found == {"device_placement.py"}

@@ -48,7 +48,7 @@ def test_recipes_check_kv_slots():
 def test_a_larger_cache_gives_the_same_bits_and_keeps_the_context_limit(arts):
     small, large = arts[0], arts[SLOTS]
     assert (small.manifest.capacity, large.manifest.capacity) == (CONTEXT, SLOTS)
-    assert large.tlm.cache[0].shape[2] == SLOTS and large.tlm.max_length == CONTEXT
+    assert large.tlm.place.cache[0].shape[2] == SLOTS and large.tlm.max_length == CONTEXT
     prompt = [0, *range(40, 80)]  # 41 tokens: the context ends the generation, not max_new_tokens
     a = runtime.generate(small, prompt, max_new_tokens=30, speculative=False)
     b = runtime.generate(large, prompt, max_new_tokens=30, speculative=False)
@@ -87,7 +87,7 @@ def test_the_export_cli_sets_kv_slots_for_a_serving_build(checkpoints, tmp_path,
     assert "kv_slots (16) must hold at least one whole sequence" in capsys.readouterr().err and not out.exists()
     assert main(["--recipe", str(recipe), "--kv-slots", "96", "--out", str(out), "--quiet"]) == 0
     art = runtime.load_artifact(out)
-    assert (art.manifest.kv_slots, art.manifest.context_length, art.tlm.cache[0].shape[2]) == (96, 32, 96)
+    assert (art.manifest.kv_slots, art.manifest.context_length, art.tlm.place.cache[0].shape[2]) == (96, 32, 96)
 
 
 @pytest.mark.parametrize("context, visible", [(2048, 128), (96, 48)])

@@ -121,7 +121,7 @@ def test_valid_cache_after_rejections_equals_autoregressive_cache(arts):
         fresh = ModelRunner(art.path, art.manifest.models[role], art.manifest.capacity)
         fresh.prefill(committed[: live.length])
         assert fresh.length == live.length >= len(committed) - 2
-        for a, b in zip(live.cache, fresh.cache, strict=False):
+        for a, b in zip(live.place.cache, fresh.place.cache, strict=True):
             np.testing.assert_allclose(a[:, :, : live.length], b[:, :, : live.length], atol=1e-5)
 
 

@@ -13,7 +13,7 @@ import pytest
 from onnx import inliner, shape_inference
 
 from common import graph_io
-from common.targets import OFFLINE_LEVEL
+from common.targets import TARGETS
 from export.onnx_export import model_dims, trace_graph
 from tests.conftest import make_model
 
@@ -59,7 +59,7 @@ def test_ort_reads_the_keys_through_a_transposed_matmul(llama, tmp_path):
     """The compiler's offline optimisation folds q @ k^T's Transpose into FusedMatMul(transB): no copy either."""
     onnx.save(trace_graph(llama, 1, C), tmp_path / "decode.onnx")
     so = ort.SessionOptions()
-    so.graph_optimization_level = OFFLINE_LEVEL["ort-cpu"]
+    so.graph_optimization_level = TARGETS["ort-cpu"].offline_level
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
     ort.InferenceSession(str(tmp_path / "decode.onnx"), so, providers=["CPUExecutionProvider"])
     opt = onnx.load(str(tmp_path / "opt.onnx"))

@@ -1,0 +1,70 @@
+"""The CPU target's placement: the KV cache in one numpy array, bound to every graph's past inputs.
+
+Every layer's K and V live in one host array [2L, 1, H, C, D] whose layer views are bound to every
+graph once; a call writes its logits and its rows' new KV into host arrays bound likewise, and
+`store` copies chosen rows into slots with numpy (one slice copy for a chain). On the CPU the sessions
+share one mapping of the weights file, in 2 MiB pages (common/shared_weights.py); a GPU target's
+sessions kept on the host (`device_cache=False`, for comparisons) each hold their own copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from common import graph_io
+from common.manifest import ModelEntry
+from common.targets import get_target
+from runtime.placement import BoundGraph, Placement
+
+
+def _bind(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
+    args = (name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    (binding.bind_output if output else binding.bind_input)(*args)
+
+
+@dataclass
+class HostGraph(BoundGraph):
+    logits_out: np.ndarray | None = None  # [1, T, V], bound
+    new_kv: np.ndarray | None = None  # new KV of all layers [2L, 1, H, T, D] (new_key.0, new_value.0, ...), bound
+
+    def logits(self) -> np.ndarray:
+        return self.logits_out
+
+
+class HostPlacement(Placement):
+    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: str, threads: int | None) -> None:
+        on_cpu = get_target(target).device == "cpu"
+        super().__init__(artifact_dir, entry, slots, target, threads, device="cpu" if on_cpu else None)
+        d = self.dims
+        self.cache_stack = np.zeros((2 * d.n_layers, 1, d.n_kv_heads, slots, d.head_dim), d.kv_dtype)
+        self.cache = list(self.cache_stack)  # past_key.0, past_value.0, ...: views, bound to every graph
+
+    def open(self, graph: str, path: Path, tokens: int) -> HostGraph:
+        d = self.dims
+        session = self.session(graph, path)
+        g = HostGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
+                      logits_out=np.zeros((1, tokens, d.vocab_size), np.float32),
+                      new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
+                      **self.inputs(tokens))
+        _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)
+        _bind(g.binding, graph_io.POSITION_IDS, g.position_ids)
+        _bind(g.binding, graph_io.ATTENTION_MASK, g.mask)
+        _bind(g.binding, graph_io.LOGITS, g.logits_out, output=True)
+        for i in range(d.n_layers):
+            _bind(g.binding, graph_io.past_key(i), self.cache[2 * i])
+            _bind(g.binding, graph_io.past_value(i), self.cache[2 * i + 1])
+            _bind(g.binding, graph_io.new_key(i), g.new_kv[2 * i], output=True)
+            _bind(g.binding, graph_io.new_value(i), g.new_kv[2 * i + 1], output=True)
+        return g
+
+    def store(self, g: HostGraph, rows: np.ndarray, slots: np.ndarray) -> None:
+        m = len(rows)
+        chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
+        if chain:  # contiguous on both sides: one slice copy
+            self.cache_stack[..., slots[0] : slots[0] + m, :] = g.new_kv[..., :m, :]
+        else:
+            self.cache_stack[..., slots, :] = g.new_kv[..., rows, :]

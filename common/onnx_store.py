@@ -72,6 +72,24 @@ class SharedFile:
         _point_at(pointer, self.name, *self.put(_content_key(t, data), data))
         return pointer
 
+    def span(self, members: list[onnx.TensorProto], name: str) -> onnx.TensorProto | None:
+        """`members` concatenated along their first axis as a tensor named `name` that points at their
+        bytes where they lie back to back in this file (nothing is written); None where they do not."""
+        first, places = members[0], []
+        for t in members:
+            info = {e.key: e.value for e in t.external_data}
+            if (t.data_location != onnx.TensorProto.EXTERNAL or info.get("location") != self.name
+                    or t.data_type != first.data_type or t.dims[1:] != first.dims[1:]):
+                return None
+            places.append((int(info.get("offset", 0)), int(info["length"])))
+        ends = [offset + length for offset, length in places]
+        if [offset for offset, _ in places[1:]] != ends[:-1]:
+            return None
+        pointer = onnx.TensorProto(name=name, data_type=first.data_type,
+                                   dims=[sum(t.dims[0] for t in members), *first.dims[1:]])
+        _point_at(pointer, self.name, places[0][0], sum(length for _, length in places))
+        return pointer
+
     def store(self, t: onnx.TensorProto) -> None:
         """Move a large initializer's data into the file, in place (see `external`)."""
         pointer = self.external(t)

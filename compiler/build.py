@@ -41,6 +41,7 @@ from compiler.mx_lowering import (
     KERNEL_OPS,
     NATIVE_ACTIVATION_BITS,
     NATIVE_DOMAIN,
+    NATIVE_SCALE_SUFFIX,
     Memo,
     lower_model,
 )
@@ -60,8 +61,14 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
 
     Constant subgraphs (MX unpacking, float16 Casts) fold here, and on the CPU target the session
     also writes every weight's prepacked form beside it, so a loading session maps those blobs
-    instead of repacking a private copy per graph.
+    instead of repacking a private copy per graph. The weights only mxspd's kernels read are graph
+    inputs meanwhile (`_lift`): ONNX Runtime has nothing to do with them, and would otherwise load
+    each and write its own copy (a 7B model's 5.3 GB on disk beside the lowered weights).
     """
+    model = onnx.load(str(graph), load_external_data=False)
+    lifted = _lift(model, floats=not get_target(target).float16)
+    if lifted:
+        graph = save_graph(model, workdir / f"lifted-{graph.stem}.onnx")  # beside the lowered weights it names
     so = session_options()
     so.graph_optimization_level = get_target(target).offline_level
     out = workdir / f"opt-{graph.stem}.onnx"
@@ -71,7 +78,39 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     if get_target(target).prepacked:
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+    if lifted:
+        optimised = onnx.load(str(out), load_external_data=False)
+        names = {t.name for t in lifted}
+        inputs = [i for i in optimised.graph.input if i.name not in names]
+        del optimised.graph.input[:]
+        optimised.graph.input.extend(inputs)
+        optimised.graph.initializer.extend(lifted)
+        save_graph(optimised, out)
     return out
+
+
+def _lift(model: onnx.ModelProto, floats: bool) -> list[onnx.TensorProto]:
+    """Turn the external initializers that only mxspd's ops read (MX codes and scales; with `floats`,
+    RowMatMul's float panels too: not where the float16 pass follows, which would convert them as
+    inputs) into graph inputs of the same type and shape, in place; return them, to be put back."""
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.domain)
+    outputs = {o.name for o in model.graph.output}
+    float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                   onnx.TensorProto.DOUBLE}
+    lifted = [t for t in model.graph.initializer
+              if t.data_location == onnx.TensorProto.EXTERNAL and readers.get(t.name) == {NATIVE_DOMAIN}
+              and t.name not in outputs and (floats or t.data_type not in float_types)]
+    if lifted:
+        names = {t.name for t in lifted}
+        kept = [t for t in model.graph.initializer if t.name not in names]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        model.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in lifted)
+    return lifted
 
 
 def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile, memo: Memo
@@ -93,12 +132,21 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     if invariant:  # mxspd's kernels are there
         fuse_rotary(model, read, shapes)
         fold_layouts(model, shapes)
-    lowered = lower_model(model, lowering, read=read, store=shared.external, memo=memo) if lowering else {}
+
+    def store(t: onnx.TensorProto) -> onnx.TensorProto:
+        """The kernels' scales wait until every weight's codes are written: the codes of q, k and v (gate and
+        up) then lie back to back in the file, and so do their scales, and packing them copies nothing."""
+        return t if t.name.endswith(NATIVE_SCALE_SUFFIX) else shared.external(t)
+
+    lowered = lower_model(model, lowering, read=read, store=store, memo=memo) if lowering else {}
+    for t in [*model.graph.initializer, *memo.values()]:  # in the order they were made
+        if t.name.endswith(NATIVE_SCALE_SUFFIX) and t.data_location != onnx.TensorProto.EXTERNAL:
+            shared.store(t)
     if invariant:
         make_invariant(model, read=read, store=shared.external)
     else:
         model = inline_attention(model)
-    pack_matmuls(model, read, shared.external)
+    pack_matmuls(model, read, shared.external, concat=shared.span)
     if invariant:
         fuse_split_heads(model, shapes)
         fuse_rotary_attention(model)
@@ -182,19 +230,19 @@ def effective_invariance(wanted: bool, target: str) -> bool:
     return why is None
 
 
-def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, invariant: bool, progress: bool
-                   ) -> ModelEntry:
+def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, invariant: bool, progress: bool,
+                   consume_export: bool = False) -> ModelEntry:
+    """`consume_export`: delete the export's weights file once every graph is lowered (its exports are
+    temporary: the disk then holds the lowered weights and the artifact, not the export's too)."""
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
     lowering = effective_lowering(lowering, target) if quant else None
     invariant = effective_invariance(invariant, target)
 
-    def optimized(work: Path, shared: SharedFile) -> Iterator[tuple[str, Path]]:
-        """Each graph lowered and optimised in turn; its optimised copy goes once it is merged. Its
-        graphs share the exported weights, so each MX weight is lowered once (`memo`)."""
-        memo: Memo = {}
-        for name in tqdm(info["graphs"], desc=f"compile {out_dir.name}", disable=not progress):
-            graph, lowered, shapes = _lower(export_dir, name, lowering, invariant, shared, memo)
+    def optimized(work: Path, lowered_graphs: dict[str, tuple]) -> Iterator[tuple[str, Path]]:
+        """Each lowered graph optimised in turn; its optimised copy goes once it is merged."""
+        for name, (graph, lowered, shapes) in tqdm(lowered_graphs.items(), desc=f"compile {out_dir.name}",
+                                                   disable=not progress):
             path = _optimize(graph, target, work)
             if get_target(target).float16:
                 to_float16(path)
@@ -216,8 +264,15 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
                 f.unlink()
 
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
+        # Every graph lowered first: its graphs share the exported weights, so each MX weight is lowered
+        # once (`memo`), and then the export's weights file can go before the artifact's is written.
         with shared_file(Path(work) / "lowered.bin") as shared:
-            paths = merge_external(optimized(Path(work), shared), out_dir, info["weights"])
+            memo: Memo = {}
+            lowered_graphs = {name: _lower(export_dir, name, lowering, invariant, shared, memo)
+                              for name in tqdm(info["graphs"], desc=f"lower {out_dir.name}", disable=not progress)}
+        if consume_export:
+            (export_dir / info["weights"]).unlink()
+        paths = merge_external(optimized(Path(work), lowered_graphs), out_dir, info["weights"])
     # one copy of the weights for all the graphs' sessions (on the CPU: one mapping, in 2 MiB pages)
     index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
     (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
@@ -260,10 +315,11 @@ def _tools() -> dict[str, str]:
 
 def compile_artifact(
     exports: dict[str, Path], recipe: Recipe, out_dir: Path, progress: bool = True, force: bool = False,
-    ngram_table: Path | None = None,
+    ngram_table: Path | None = None, consume_exports: bool = False,
 ) -> Path:
     """Compile exported models ({"tlm": dir, "dlm": dir}) into the artifact folder out_dir, with
     prompt lookup's n-gram table file if given (checked against the TLM's tokenizer by the exporter).
+    `consume_exports`: the exports are temporary; each model's weights file goes once it is lowered.
 
     An existing out_dir is replaced only if it is empty or one of our artifacts (or `force`).
     """
@@ -277,7 +333,7 @@ def compile_artifact(
         specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
             role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering,
-                                 recipe.batch_invariant, progress)
+                                 recipe.batch_invariant, progress, consume_exports)
             for role, d in exports.items()
         }
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")

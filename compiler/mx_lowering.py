@@ -62,6 +62,7 @@ MX_TYPES = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
 NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
+NATIVE_SCALE_SUFFIX = ".e8m0"
 GPU_SUFFIX = ".mxgpu"  # the GPU kernel's weight input: <weight>.mxgpu (and its scales <weight>.e8m0gpu)
 # The op each kernel lowering turns a MatMul into, and the suffix of its weight input.
 KERNEL_OPS = {"fused": (MS_DOMAIN, "MatMulNBits", FUSED_SUFFIX),
@@ -211,7 +212,7 @@ def _lower_native(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callab
     int8 = fmt == "int8"
     weights = b.const(name + NATIVE_SUFFIX, lambda: pack_int8_columns(load()[0]) if int8
                       else pack_columns(load()[0], layout))
-    scales = b.const(name + ".e8m0", lambda: pack_scales(load()[1]))
+    scales = b.const(name + NATIVE_SCALE_SUFFIX, lambda: pack_scales(load()[1]))
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]

@@ -10,6 +10,8 @@ along their first axis are the packed weight, and each output column is computed
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -39,9 +41,15 @@ def _group(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> tuple | 
     return None
 
 
-def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, store: Store = lambda t: t) -> int:
+Concat = Callable[[list[onnx.TensorProto], str], onnx.TensorProto | None]
+
+
+def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, store: Store = lambda t: t,
+                 concat: Concat = lambda members, name: None) -> int:
     """Pack every group of MXMatMuls (or RowMatMuls) with the same input and settings (in place);
-    returns how many calls it saved."""
+    returns how many calls it saved. `concat` may give a packed weight without copying its members
+    (common/onnx_store.py's SharedFile.span: they lie back to back in the weights file); where it gives
+    None, the members are read, concatenated and stored."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     groups: dict[tuple, list[onnx.NodeProto]] = {}
@@ -57,8 +65,9 @@ def pack_matmuls(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, stor
         weights = [f"{name}.{j}" if j > 1 else name for j in range(1, len(members[0].input))]
         if name not in inits:  # the same weights on another input (shared layers): packed once
             for j, packed_name in enumerate(weights, start=1):
-                value = np.concatenate([initializer_array(inits[m.input[j]], read) for m in members])
-                inits[packed_name] = store(numpy_helper.from_array(value, packed_name))
+                inits[packed_name] = concat([inits[m.input[j]] for m in members], packed_name) or store(
+                    numpy_helper.from_array(np.concatenate([initializer_array(inits[m.input[j]], read)
+                                                            for m in members]), packed_name))
                 graph.initializer.append(inits[packed_name])
             inits[name + ".sizes"] = numpy_helper.from_array(np.array(sizes, np.int64), name + ".sizes")
             graph.initializer.append(inits[name + ".sizes"])

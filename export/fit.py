@@ -3,7 +3,9 @@
 The exporter streams: graphs are traced from a placeholder model and each weight goes from the
 checkpoint to the weights file on its own, so the export itself holds a few copies of the largest
 tensor. The compiler then lowers MX weights one at a time and optimises one graph at a time; its
-peak is ONNX Runtime's session for one graph (the kernel-form weights and their prepacked copy).
+peak is ONNX Runtime's session for one graph (for float weights, their prepacked copy; the MX weights
+only mxspd's kernels read stay out of it). On disk: the exports, then per model its lowered weights
+(written once: packed weights point at their members) and its artifact, the export deleted between.
 Factors measured on a 325M-parameter checkpoint and on the llama2-7b-spd recipe's 7B-shaped
 models (docs/benchmarks-history.md).
 """
@@ -23,14 +25,17 @@ from export.loader import read_config
 BASELINE = GIB // 2  # the interpreter, torch, transformers and onnx before any model
 LARGEST_TENSOR_COPIES = 12  # float32 copies of the largest tensor in flight (trace, conversion, passes)
 # Bytes per parameter, measured (docs/benchmarks-history.md; MX on the full Llama-2-7B shape with the MXINT8
-# head and table, docs/benchmarks.md "Real sizes": 24.8 GB of disk at peak for 6.74B parameters, 3.68 bytes
-# each): ONNX Runtime optimising one graph (PSS above the baseline); weights.bin of the artifact (kernel
-# form, and for float weights their prepacked copy); the export (MX blocks, float16 or float32); the
-# lowered MX weights the compiler reads (each weight's kernel form, and the packed q/k/v and gate/up again).
+# head and table, docs/benchmarks.md "Real sizes": 10.8 GB of disk at peak for 6.74B parameters, 1.60 bytes
+# each, the export and the lowered weights side by side): ONNX Runtime optimising one graph (PSS above the
+# baseline); weights.bin of the artifact (kernel form, and for float weights their prepacked copy); the
+# export (MX blocks, float16 or float32); the lowered weights the compiler writes (each MX weight's kernel
+# form once; the weights left alone, copied); ONNX Runtime's optimised copy of one graph (MX: none of the
+# kernels' weights, which are graph inputs while it optimises).
 COMPILE_BYTES_PER_PARAMETER = {"mx": 1.7, "float16": 4.0, "float32": 4.0}
 ARTIFACT_BYTES_PER_PARAMETER = {"mx": 0.8, "float16": 7.6, "float32": 7.6}
 EXPORT_BYTES_PER_PARAMETER = {"mx": 0.85, "float16": 2.0, "float32": 4.0}
-LOWERED_BYTES_PER_PARAMETER = {"mx": 1.4, "float16": 0.0, "float32": 0.0}
+LOWERED_BYTES_PER_PARAMETER = {"mx": 0.8, "float16": 2.0, "float32": 4.0}
+OPTIMISED_BYTES_PER_PARAMETER = {"mx": 0.0, "float16": 7.6, "float32": 7.6}
 
 
 def parameter_counts(model_dir: Path, context_length: int, trust_remote_code: bool = False) -> tuple[int, int]:
@@ -54,15 +59,22 @@ def export_memory(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec
 
 
 def export_disk(params: dict[str, tuple[int, int]], specs: dict[str, ModelSpec]) -> int:
-    """Peak bytes on disk: the exports, the artifact, and the compiler's transient files for one
-    model: one graph's optimised copy (weights and prepacked blobs) beside the lowered MX weights."""
+    """Peak bytes on disk, phase by phase: every model's export is written first; then each model in turn
+    is lowered beside the exports, its export deleted, and its artifact written beside its lowered weights
+    and ONNX Runtime's optimised copy of one graph (compiler/build.py)."""
     def total(table: dict[str, float], role: str) -> float:
         return table[_kind(specs[role])] * params[role][0]
 
-    exported = sum(total(EXPORT_BYTES_PER_PARAMETER, r) for r in params)
-    artifact = sum(total(ARTIFACT_BYTES_PER_PARAMETER, r) for r in params)
-    transient = max(total(ARTIFACT_BYTES_PER_PARAMETER, r) + total(LOWERED_BYTES_PER_PARAMETER, r) for r in params)
-    return math.ceil(exported + artifact + transient)
+    held = sum(total(EXPORT_BYTES_PER_PARAMETER, r) for r in params)
+    peak = 0.0
+    for r in params:
+        lowered = total(LOWERED_BYTES_PER_PARAMETER, r)
+        peak = max(peak, held + lowered)
+        held -= total(EXPORT_BYTES_PER_PARAMETER, r)
+        artifact = total(ARTIFACT_BYTES_PER_PARAMETER, r)
+        peak = max(peak, held + lowered + total(OPTIMISED_BYTES_PER_PARAMETER, r) + artifact)
+        held += artifact
+    return math.ceil(peak)
 
 
 def check_export_fits(dirs: dict[str, Path], specs: dict[str, ModelSpec], out_dir: Path, context_length: int) -> None:
@@ -73,4 +85,4 @@ def check_export_fits(dirs: dict[str, Path], specs: dict[str, ModelSpec], out_di
     check_memory(export_memory(params, specs), f"exporting {sizes}",
                  "ONNX Runtime optimising one graph of the largest model (the weights are streamed)")
     check_disk(export_disk(params, specs), out_dir.parent, f"exporting {sizes}",
-               "the exports, the artifact, and the compiler's copy of one graph")
+               "the exports, then each model's lowered weights and artifact")

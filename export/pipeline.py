@@ -150,6 +150,7 @@ def build_artifact(
             if role == "tlm" and table is not None:
                 table_file = _checked_table(table, table_file, exports[role] / "tokenizer",
                                             model.config.vocab_size, table_optional)
-        return compile_artifact(exports, recipe, out_dir, progress=progress, force=force, ngram_table=table_file)
+        return compile_artifact(exports, recipe, out_dir, progress=progress, force=force, ngram_table=table_file,
+                                consume_exports=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

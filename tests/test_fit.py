@@ -107,11 +107,12 @@ def test_make_checkpoint_layers_keeps_the_widths(tmp_path):
 
 
 def test_the_disk_estimate_follows_the_measured_7b_export():
-    """A Llama-2-7B-shaped MXFP6 export (the MXINT8 head and table, the defaults) peaked at 24.8 GB of extra
-    disk (docs/benchmarks.md, "Real sizes"): the check asks for that and a little more, not 2x it."""
+    """A Llama-2-7B-shaped MXFP6 export (the MXINT8 head and table, the defaults) peaked at 10.8 GB of extra
+    disk (docs/benchmarks.md, "Real sizes"; 0.80x its 13.5 GB checkpoint): the check asks for that and a
+    little more, not 2x it."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config_for("llama2-7b"))
     sizes = [p.numel() for p in model.parameters()]
     params = {"tlm": (sum(sizes), max(sizes))}
     needed = fit.export_disk(params, {"tlm": ModelSpec(model="", mx_format="fp6_e2m3")})
-    assert 24.8e9 <= needed <= 1.2 * 24.8e9
+    assert 10.8e9 <= needed <= 1.1 * 10.8e9

@@ -132,7 +132,7 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     kept = build_it("bits-kept")
     monkeypatch.setattr(build, "fuse_rotary", lambda model, read, shapes: 0)
     monkeypatch.setattr(build, "fold_layouts", lambda model, shapes: 0)
-    monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store: 0)
+    monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store, concat=None: 0)
     monkeypatch.setattr(build, "fuse_split_heads", lambda model, shapes: 0)
     unfused = build_it("unfused")
     quant = [art.manifest.models["tlm"].quant for art in (fused, unfused)]

@@ -93,15 +93,12 @@ def _lift(model: onnx.ModelProto, floats: bool) -> list[onnx.TensorProto]:
     """Turn the external initializers that only mxspd's ops read (MX codes and scales; with `floats`,
     RowMatMul's float panels too: not where the float16 pass follows, which would convert them as
     inputs) into graph inputs of the same type and shape, in place; return them, to be put back."""
-    readers: dict[str, set[str]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, set()).add(node.domain)
+    readers = _readers(model.graph)
     outputs = {o.name for o in model.graph.output}
     float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                    onnx.TensorProto.DOUBLE}
     lifted = [t for t in model.graph.initializer
-              if t.data_location == onnx.TensorProto.EXTERNAL and readers.get(t.name) == {NATIVE_DOMAIN}
+              if t.data_location == onnx.TensorProto.EXTERNAL and _native_only(readers.get(t.name, set()))
               and t.name not in outputs and (floats or t.data_type not in float_types)]
     if lifted:
         names = {t.name for t in lifted}
@@ -170,17 +167,28 @@ def _shared(consumers: set[tuple[str, str]], length: int, target: str) -> bool:
     keeps in the pages those rows touch."""
     if not get_target(target).prepacked:
         return length >= SHARED_MIN_BYTES
-    return bool(consumers) and all(domain == NATIVE_DOMAIN for domain, _ in consumers)
+    return _native_only(consumers)
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, set[tuple[str, str]]]:
+    """The (domain, op type) of the nodes that read each tensor."""
+    readers: dict[str, set[tuple[str, str]]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add((node.domain, node.op_type))
+    return readers
+
+
+def _native_only(readers: set[tuple[str, str]]) -> bool:
+    """Read, and only by mxspd's ops."""
+    return bool(readers) and all(domain == NATIVE_DOMAIN for domain, _ in readers)
 
 
 def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list]:
     """The graph's initializers in the model's weights file that its sessions share: [name, numpy dtype,
     dims, offset, length] (common/graph_io.py's INITIALIZERS_FILE)."""
     model = onnx.load(str(graph), load_external_data=False)
-    consumers: dict[str, set[tuple[str, str]]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add((node.domain, node.op_type))
+    consumers = _readers(model.graph)
     out = []
     for t in model.graph.initializer:
         info = {e.key: e.value for e in t.external_data}

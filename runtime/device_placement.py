@@ -61,11 +61,11 @@ class DevicePlacement(Placement):
         """Opens the store graph's session first: where the GPU cannot start, that refuses by name
         (check_session) before anything is allocated on it. `cuda_graph`: the graphs' sessions replay
         CUDA graphs (default: on a GPU; the store graph's session does not, its rows and slots change)."""
-        self.device = get_target(target).device
-        if cuda_graph and self.device != "cuda":
+        device = get_target(target).device
+        if cuda_graph and device != "cuda":
             raise ValueError(f"cuda_graph applies to the GPU target (ort-cuda), not {target!r}")
-        super().__init__(artifact_dir, entry, slots, target, threads, device=self.device)
-        self.cuda_graph = self.device == "cuda" if cuda_graph is None else cuda_graph
+        super().__init__(artifact_dir, entry, slots, target, threads, device=device)
+        self.cuda_graph = device == "cuda" if cuda_graph is None else cuda_graph
         self.dtype = np.dtype(self.dims.kv_dtype)
         store = Path(artifact_dir) / Path(entry.weights).parent / io.KV_STORE_FILE
         if not store.is_file():
@@ -74,7 +74,7 @@ class DevicePlacement(Placement):
         self._store = ort.InferenceSession(str(store), self.options(), providers=self.target.providers())
         check_session(self._store, self.target.name)
         d = self.dims
-        self.cache = zeros((2 * d.n_layers, 1, d.n_kv_heads, slots, d.head_dim), self.dtype, self.device)
+        self.cache = zeros((2 * d.n_layers, 1, d.n_kv_heads, slots, d.head_dim), self.dtype, self.target.device)
         self._binding = self._store.io_binding()
         self._bind(self._binding, io.KV_CACHE, self.cache, 0, slots)
         self._bind(self._binding, io.KV_CACHE_OUT, self.cache, 0, slots, output=True)
@@ -86,15 +86,15 @@ class DevicePlacement(Placement):
         session = self.session(graph, path)
         g = DeviceGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
                         **self.inputs(tokens))
-        g.on_device = {name: zeros(getattr(g, field).shape, getattr(g, field).dtype, self.device)
+        g.on_device = {name: zeros(getattr(g, field).shape, getattr(g, field).dtype, self.target.device)
                        for name, field in _INPUTS.items()}
-        g.on_device[io.LOGITS] = zeros((1, tokens, d.vocab_size), np.float32, self.device)
+        g.on_device[io.LOGITS] = zeros((1, tokens, d.vocab_size), np.float32, self.target.device)
         for name, value in g.on_device.items():
             (g.binding.bind_ortvalue_output if name == io.LOGITS else g.binding.bind_ortvalue_input)(name, value)
         layers = range(d.n_layers)
         self._bind_layers(g.binding, [f(i) for i in layers for f in (io.past_key, io.past_value)], self.cache,
                           self.slots)
-        g.new_stack = zeros((2 * d.n_layers, 1, d.n_kv_heads, tokens, d.head_dim), self.dtype, self.device)
+        g.new_stack = zeros((2 * d.n_layers, 1, d.n_kv_heads, tokens, d.head_dim), self.dtype, self.target.device)
         self._bind_layers(g.binding, [f(i) for i in layers for f in (io.new_key, io.new_value)], g.new_stack,
                           tokens, output=True)
         return g
@@ -112,7 +112,7 @@ class DevicePlacement(Placement):
         if name in (io.KV_CACHE, io.KV_CACHE_OUT):  # the store graph sees the whole stack
             shape = [2 * d.n_layers, *shape]
         offset = index * d.n_kv_heads * rows * d.head_dim * self.dtype.itemsize
-        args = (name, self.device, 0, self.dtype, shape, buffer.data_ptr() + offset)
+        args = (name, self.target.device, 0, self.dtype, shape, buffer.data_ptr() + offset)
         (binding.bind_output if output else binding.bind_input)(*args)
 
     def store(self, g: DeviceGraph, rows: np.ndarray, slots: np.ndarray) -> None:

@@ -69,7 +69,6 @@ class ModelRunner:
         self.dims = entry.dims
         self.context = slots
         self.max_length = max_length or slots
-        self.target = target
         self.place = _placement(artifact_dir, entry, slots, target, threads, device_cache, cuda_graph)
         self.length = 0
         self.history = np.zeros(slots, dtype=np.int64)  # the token in each committed slot

@@ -31,7 +31,8 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 print(r["gpu"], r["read_bandwidth_GB_per_s"], "GB/s")
 for a, v in r["artifacts"].items():
-    print(a, v["weights_read_per_token_MB"], "MB/token, floor", v["floor_tokens_per_s"], "same", v["same_tokens"])
+    print(a, v["weights_read_per_token_MB"], "MB/token, floor", v["floor_tokens_per_s"], "same", v["same_tokens"],
+          "device argmax", v.get("device_argmax"))
     print("   calls, ms:", v["call_pattern_ms"])
     for mode in ("cuda_graph", "launches"):
         rows = v[mode]

@@ -6,9 +6,11 @@
 Each artifact is loaded twice, with each fixed-shape graph replayed as a CUDA graph and with every
 kernel launched, and greedy autoregressive generations of the same prompt alternate between the
 two, `rounds` times. Per run: decode tokens/s; per generated token (the prompt's prefill spread
-over them), the time inside model calls (inputs in and logits out included) and the rest, the
-host's overhead (sampling, masks, committing KV). Checks that both give the same tokens and that
-greedy speculation (the recipe's method) gives what greedy autoregressive decoding gives; prints
+over them), the time inside model calls (inputs in and tokens or logits out included) and the rest,
+the host's overhead (sampling, masks, committing KV). Checks that both give the same tokens, that
+greedy speculation (the recipe's method) gives what greedy autoregressive decoding gives, and that the
+greedy tokens the graphs compute on the device (`device_argmax`; greedy decoding brings no logits to
+the host) are numpy's argmax of the same call's logits; prints
 the floor (the decode call's weight bytes over the GPU's read bandwidth,
 benchmarks.bandwidth.gpu_read_bandwidth_gbs) and where ONNX Runtime placed each op of the decode
 graph (from its profile: a CPU-placed MatMulNBits would be a silent fallback), and what a call
@@ -92,6 +94,20 @@ def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
     return {k: round(float(np.median(v)), 3) for k, v in times.items()}
 
 
+def greedy_outputs_check(art, prompt: list[int]) -> dict:
+    """Whether the greedy tokens the graphs compute on the device (compiler/greedy_outputs.py; greedy decoding
+    reads only those) are numpy's argmax of the same call's logits, over a prefill call's rows."""
+    runner = art.tlm
+    if not runner.greedy_outputs:
+        return {"greedy_outputs": False}
+    runner.rewind(0)
+    graph, n = runner.plan(len(prompt))[0]
+    logits = runner.run(graph, np.asarray(prompt[:n]))
+    equal = runner.argmax() == np.argmax(logits, axis=-1)
+    runner.rewind(0)
+    return {"greedy_outputs": True, "rows": n, "argmax_equal_rows": int(equal.sum())}
+
+
 def one(art, prompt: list[int], new_tokens: int) -> dict:
     runner = art.tlm
     runner.rewind(0)  # cold: the prompt would otherwise be found in the cache
@@ -144,9 +160,12 @@ def measure(paths: list[Path], text: str, new_tokens: int, rounds: int, genai: d
             {k: v for k, v in r.items() if k != "tokens"} for r in runs[str(p), graph]] for graph in (True, False)}
         done = [r["tokens"] for g in (True, False) for r in runs.get((str(p), g), [])]
         same = bool(done) and all(t == done[0] for t in done)
+        checked = next((greedy_outputs_check(arts[str(p), g], prompt) for g in (True, False) if (str(p), g) in arts),
+                       {})
         out["artifacts"][str(p)] = {"weights_read_per_token_MB": round(weights / 1e6, 2),
                                     "floor_tokens_per_s": round(floor), "same_tokens": same,
-                                    "placement": placement(p), "call_pattern_ms": pattern, **rows}
+                                    "device_argmax": checked, "placement": placement(p), "call_pattern_ms": pattern,
+                                    **rows}
     ours = {p: float(np.median([r["decode_tokens_per_s"] for r in runs.get((p, True), [])] or [np.nan]))
             for p in map(str, paths)}
     for name, model in genai.items():

@@ -15,6 +15,9 @@ D = head dim, V = vocabulary size, L = layers.
 | logits              | float32 | [B, T, V]      | next-token logits for each new token                 |
 | new_key.{i}         | kv      | [B, H, T, D]   | keys of the T new tokens; the host writes them into  |
 | new_value.{i}       | kv      | [B, H, T, D]   | the cache slots it chose                             |
+| next_token          | int64   | [B, T]         | each row's argmax (greedy token): device targets'    |
+| logits_check        | float32 | [B, T]         | 0 where a row's logits are all finite, else NaN;     |
+|                     |         |                | both added by the compiler (greedy_outputs.py)       |
 
 The host owns the cache: it decides which slot each token occupies, and the mask decides what
 each token sees, so a causal chain, a tree of candidates and a rewind (purge) are all host-side.
@@ -133,6 +136,8 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
+NEXT_TOKEN = "next_token"
+LOGITS_CHECK = "logits_check"
 
 
 def past_key(layer: int) -> str:

@@ -33,6 +33,7 @@ class Target:
     offline_level: ort.GraphOptimizationLevel  # the optimisation the compiler saves ahead of time
     float16: bool  # its graphs compute in float16
     prepacked: bool  # its compiled graphs carry ONNX Runtime's prepacked weights (CPU kernels' layouts)
+    greedy_outputs: bool  # its graphs also return each row's greedy token (compiler/greedy_outputs.py)
 
     def providers(self, cuda_graph: bool = False) -> list:
         """The providers to open its sessions with; `cuda_graph`: replay each fixed-shape graph's kernels
@@ -47,9 +48,9 @@ class Target:
 # (BASIC) so that they can be built on a machine without a GPU.
 TARGETS = {
     "ort-cpu": Target("ort-cpu", "CPUExecutionProvider", "cpu", ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                      float16=False, prepacked=True),
+                      float16=False, prepacked=True, greedy_outputs=False),
     "ort-cuda": Target("ort-cuda", "CUDAExecutionProvider", "cuda", ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                       float16=True, prepacked=False),
+                       float16=True, prepacked=False, greedy_outputs=True),
 }
 
 

@@ -32,6 +32,7 @@ from common.staging import MARKER, check_output, make_staging
 from common.targets import get_target, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.float16 import KV_DTYPE, to_float16
+from compiler.greedy_outputs import add_greedy_outputs
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.kv_store import store_graph
 from compiler.layouts import fold_layouts, tensor_shapes
@@ -255,13 +256,17 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
             if get_target(target).float16:
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
+            changed = 0
             if not get_target(target).float16:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
-                fusions = fuse_skip_norms(optimised, shapes)
+                changed = fuse_skip_norms(optimised, shapes)
                 if invariant:
-                    fusions += fuse_swiglu(optimised)
-                    fusions += fuse_matmul_prologues(optimised)
-                if fusions:
-                    save_graph(optimised, path)
+                    changed += fuse_swiglu(optimised)
+                    changed += fuse_matmul_prologues(optimised)
+            if get_target(target).greedy_outputs:
+                add_greedy_outputs(optimised)
+                changed += 1
+            if changed:
+                save_graph(optimised, path)
             if quant:
                 _check_lowered(optimised, name, lowering, lowered)
                 quant["lowered_weights"] = len(lowered)  # the same weights in every graph

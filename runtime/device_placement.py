@@ -8,8 +8,9 @@ slices are bound to the graphs' past inputs, each graph's new KV is one device t
 bound likewise to its outputs, and `store` runs a small ONNX graph on the same provider: Gather the
 chosen rows, ScatterElements them into their slots, written in place (the output is bound to the
 cache itself; the compiler writes that graph beside the model's weights, common/graph_io.py's
-KV_STORE_FILE). Per call only token ids, positions and the mask go in and logits come out, each at
-a fixed device address, so that with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
+KV_STORE_FILE). Per call only token ids, positions and the mask go in and logits come out (for greedy decoding only
+each row's greedy token and finite check: compiler/greedy_outputs.py), each at a fixed device
+address, so that with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
 The tests run this placement on the CPU provider (`device_cache=True`): it must give exactly what
 the host placement gives.
 """
@@ -42,14 +43,17 @@ class DeviceGraph(BoundGraph):
     on_device: dict[str, ort.OrtValue] | None = None  # the bound buffers, by input/output name
     new_stack: ort.OrtValue | None = None  # new KV of all layers [2L, 1, H, T, D]
 
-    def run(self) -> np.ndarray:
+    def run(self) -> None:
         """Copy the filled host inputs into their device buffers (same addresses: CUDA graphs replay), run."""
         for name, field in _INPUTS.items():
             self.on_device[name].update_inplace(getattr(self, field))
-        return super().run()
+        super().run()
 
     def logits(self) -> np.ndarray:
-        out = self.on_device[io.LOGITS].numpy()  # a device's: a host copy; the CPU's: the bound buffer
+        return self.output(io.LOGITS)
+
+    def output(self, name: str) -> np.ndarray:
+        out = self.on_device[name].numpy()  # a device's: a host copy; the CPU's: the bound buffer
         return out if out.flags.owndata else out.copy()  # which the next call overwrites, or which goes with it
 
 
@@ -85,12 +89,18 @@ class DevicePlacement(Placement):
         d = self.dims
         session = self.session(graph, path)
         g = DeviceGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
-                        **self.inputs(tokens))
+                        greedy_outputs=self.has_greedy_outputs(session), **self.inputs(tokens))
         g.on_device = {name: zeros(getattr(g, field).shape, getattr(g, field).dtype, self.target.device)
                        for name, field in _INPUTS.items()}
-        g.on_device[io.LOGITS] = zeros((1, tokens, d.vocab_size), np.float32, self.target.device)
+        outputs = {io.LOGITS: zeros((1, tokens, d.vocab_size), np.float32, self.target.device)}
+        if g.greedy_outputs:  # each row's greedy token and finite check, so greedy decoding reads T numbers
+            outputs[io.NEXT_TOKEN] = zeros((1, tokens), np.int64, self.target.device)
+            outputs[io.LOGITS_CHECK] = zeros((1, tokens), np.float32, self.target.device)
         for name, value in g.on_device.items():
-            (g.binding.bind_ortvalue_output if name == io.LOGITS else g.binding.bind_ortvalue_input)(name, value)
+            g.binding.bind_ortvalue_input(name, value)
+        for name, value in outputs.items():
+            g.binding.bind_ortvalue_output(name, value)
+        g.on_device |= outputs
         layers = range(d.n_layers)
         self._bind_layers(g.binding, [f(i) for i in layers for f in (io.past_key, io.past_value)], self.cache,
                           self.slots)

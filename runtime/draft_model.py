@@ -9,6 +9,7 @@ drafts are purged by rewinding its cache.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,10 +45,13 @@ class DraftModelDrafter:
         n = len(self.pending)
         return graph_io.DECODE if n == 1 else graph_io.CATCHUP if n == 2 else graph_io.PREFILL
 
-    def _catch_up(self) -> np.ndarray:
-        """Feed the DLM the committed tokens it has not seen; returns the last one's logits."""
+    def _catch_up(self, fetch: bool) -> np.ndarray | None:
+        """Feed the DLM the committed tokens it has not seen; returns the last one's logits (`fetch`)."""
         pending, graph = np.array(self.pending), self._catch_up_graph()
-        return self.dlm.prefill(pending) if graph == graph_io.PREFILL else self.dlm.forward(graph, pending)[-1]
+        if graph == graph_io.PREFILL:
+            return self.dlm.prefill(pending, fetch)
+        logits = self.dlm.forward(graph, pending, fetch)
+        return None if logits is None else logits[-1]
 
     def _graphs(self, k: int) -> set[str]:
         """The DLM graphs a round of k drafts runs: its catch-up's, and decode for drafts after the first."""
@@ -61,23 +65,25 @@ class DraftModelDrafter:
         graphs = self._graphs(k)
         self.cold, self.ran = not graphs <= self.ran, self.ran | graphs
         t0 = time.perf_counter()
-        logits = self._catch_up()
+        fetch = self.params.do_sample or not self.dlm.greedy_outputs  # greedy on a device: tokens, not logits
+        logits = self._catch_up(fetch)
         # A catch-up on more than a round's 1-2 tokens pays for earlier plain steps: not this k's cost.
         self.behind_s = time.perf_counter() - t0 if len(self.pending) > 2 else 0.0
         self.kept, self.pending = self.dlm.length, []
-        drafts, q = np.zeros(k, np.int64), np.zeros((k, logits.shape[-1]))
+        drafts, q = np.zeros(k, np.int64), np.zeros((k, self.dlm.dims.vocab_size))
         for i in range(k):
             if self.params.do_sample:
                 q[i] = warp(logits, self.params)
                 drafts[i] = sample(q[i], self.rng)
             else:  # a greedy draft is the argmax, q its one-hot (what warp gives), no random draw
-                drafts[i] = np.argmax(logits)
+                drafts[i] = np.argmax(logits) if fetch else self.dlm.argmax()[-1]
                 q[i, drafts[i]] = 1.0
             if i < k - 1:
-                logits = self.dlm.forward(graph_io.DECODE, drafts[i : i + 1])[0]
+                logits = self.dlm.forward(graph_io.DECODE, drafts[i : i + 1], fetch)
+                logits = None if logits is None else logits[0]
         return Proposal.chain(drafts, q)
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         k = len(proposal.tokens)
         if k:  # keep what the DLM processed of the root and the accepted drafts

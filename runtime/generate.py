@@ -32,14 +32,18 @@ from runtime.speculative import make_drafter, speculative
 
 
 def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rng) -> Iterator[int]:
-    """The hot loop: prefill, then one decode call per token until the context is full."""
+    """The hot loop: prefill, then one decode call per token until the context is full. Greedy on a
+    device target reads each call's greedy token, not its logits (ModelRunner.run_rows: fetch)."""
     tlm = art.tlm
-    token = next_token(tlm.start(prompt), params, rng)
+    fetch = params.do_sample or not tlm.greedy_outputs
+    logits = tlm.start(prompt, fetch)
+    token = next_token(logits, params, rng) if fetch else int(tlm.argmax()[-1])
     while True:
         yield token
         if tlm.length >= tlm.max_length:
             return
-        token = next_token(tlm.forward(graph_io.DECODE, np.array([token]))[0], params, rng)
+        logits = tlm.forward(graph_io.DECODE, np.array([token]), fetch)
+        token = next_token(logits[0], params, rng) if fetch else int(tlm.argmax()[0])
 
 
 class Generation:

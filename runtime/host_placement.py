@@ -30,9 +30,13 @@ def _bind(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = F
 class HostGraph(BoundGraph):
     logits_out: np.ndarray | None = None  # [1, T, V], bound
     new_kv: np.ndarray | None = None  # new KV of all layers [2L, 1, H, T, D] (new_key.0, new_value.0, ...), bound
+    small: dict[str, np.ndarray] | None = None  # the greedy outputs [1, T] where the graph has them, bound
 
     def logits(self) -> np.ndarray:
         return self.logits_out
+
+    def output(self, name: str) -> np.ndarray:
+        return self.small[name]
 
 
 class HostPlacement(Placement):
@@ -47,9 +51,15 @@ class HostPlacement(Placement):
         d = self.dims
         session = self.session(graph, path)
         g = HostGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
+                      greedy_outputs=self.has_greedy_outputs(session),
                       logits_out=np.zeros((1, tokens, d.vocab_size), np.float32),
                       new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
-                      **self.inputs(tokens))
+                      small={}, **self.inputs(tokens))
+        if g.greedy_outputs:
+            g.small = {graph_io.NEXT_TOKEN: np.zeros((1, tokens), np.int64),
+                       graph_io.LOGITS_CHECK: np.zeros((1, tokens), np.float32)}
+        for name, array in g.small.items():
+            _bind(g.binding, name, array, output=True)
         _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)
         _bind(g.binding, graph_io.POSITION_IDS, g.position_ids)
         _bind(g.binding, graph_io.ATTENTION_MASK, g.mask)

@@ -16,6 +16,7 @@ Whether a lookahead step pays (it costs several decode steps on a CPU) is a poli
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -98,13 +99,13 @@ class Lookahead:
         return Proposal(np.array(tokens, np.int64), np.array(parents, np.int64), None, aux,
                         window_sees(len(self.levels), self.w)[:window, :window])
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         stepped = len(proposal.aux_tokens) > 0
         self.policy.observe(int(stepped or len(proposal.tokens) > 0), accepted, round_ms)
         if stepped:
             self.windows += 1
-            guesses = np.argmax(logits[len(logits) - self.w :], axis=-1)
+            guesses = best(slice(-self.w, None))
             if len(self.levels) == self.n - 1:
                 for i in range(self.w):
                     self._add(tuple(int(lv[i]) for lv in self.levels) + (int(guesses[i]),))

@@ -77,6 +77,7 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
+        self._rows = 0  # the last run's rows
         with parked_pools():
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
                            for name, g in entry.graphs.items()}
@@ -108,23 +109,26 @@ class ModelRunner:
         """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls)."""
         return graph_io.plan_calls({name: (g.tokens, g.cost_ms) for name, g in self.entries.items()}, rows, max_rows)
 
-    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None) -> np.ndarray:
+    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None, fetch: bool = True
+            ) -> np.ndarray | None:
         """Process `tokens` as new rows after the `length` committed slots; return their logits [n, V].
 
         `sees` (bool [n, n]) says which new rows each row sees (default: causal); positions follow
         from it (graph_io.row_positions). Nothing is committed: `commit` chooses which rows' KV
-        enter the cache.
+        enter the cache. `fetch=False`: no logits (None), the caller reads `argmax()`.
         """
         sees = np.tri(len(tokens), dtype=bool) if sees is None else sees
-        return self.run_rows(graph, tokens, np.arange(self.context) < self.length, sees)
+        return self.run_rows(graph, tokens, np.arange(self.context) < self.length, sees, fetch=fetch)
 
     def run_rows(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray,
-                 check: bool = True) -> np.ndarray:
+                 check: bool = True, fetch: bool = True) -> np.ndarray | None:
         """The general call: row i sees the cache slots `cache_sees[i]` (bool [n, C], or [C] for all
         rows) and the new rows `sees[i]`; its position is the number of tokens it sees, minus one.
         Return the rows' logits [n, V]. Unused rows of a fixed-shape graph are padding that only
         sees itself. check=False leaves NaN/Inf rows to the caller (a batch of independent requests
-        fails only the request whose row it is).
+        fails only the request whose row it is). fetch=False, for greedy decoding: the logits stay where
+        the graph wrote them (None is returned) and `argmax()` gives each row's token (on a device
+        target, T integers cross to the host instead of T vocabularies of floats).
         """
         if self.place.needs_capture():
             self.capture_graphs()
@@ -145,17 +149,28 @@ class ModelRunner:
         pad = np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
         t0 = time.perf_counter()
-        logits = g.run()
+        g.run()
+        logits = g.logits()[0, :n] if fetch else None
         self.call_s += time.perf_counter() - t0
         self.calls += 1
         self.warm.add(graph)
-        self._last = g
-        if check and not np.isfinite(logits[0, :n]).all():
+        self._last, self._rows = g, n
+        if check and not (np.isfinite(logits).all() if fetch else g.finite(n).all()):
             raise NonFiniteLogitsError(
                 f"graph {graph!r} produced NaN/Inf logits at positions {positions.min()}..{positions.max()}: no "
                 "token can be chosen from them (damaged weights, or values overflowing the weight format)"
             )
-        return logits[0, :n]
+        return logits
+
+    @property
+    def greedy_outputs(self) -> bool:
+        """Whether every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py),
+        so that greedy decoding runs with fetch=False and reads `argmax()`, never the logits."""
+        return all(g.greedy_outputs for g in self.graphs.values())
+
+    def argmax(self) -> np.ndarray:
+        """The last call's rows' greedy tokens [n] (np.argmax of each row's logits, the first on ties)."""
+        return self._last.greedy_tokens(self._rows)
 
     def commit(self, rows: list[int] | np.ndarray) -> None:
         """Append the KV of these rows of the last `run` (in order: the root and an accepted path,
@@ -176,11 +191,11 @@ class ModelRunner:
             self.length = min(self.length, int(slots.min()))
         self.place.store(self._last, rows, slots)
 
-    def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
-        """Process a chain of tokens and commit all of them; return their logits [n, V]."""
+    def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
+        """Process a chain of tokens and commit all of them; return their logits [n, V] (`fetch`: see run_rows)."""
         if self.length + len(tokens) > self.context:
             raise ValueError(f"{self.length + len(tokens)} tokens exceed the cache's {self.context} slots")
-        logits = self.run(graph, tokens)
+        logits = self.run(graph, tokens, fetch=fetch)
         self.commit(np.arange(len(tokens)))
         return logits
 
@@ -190,9 +205,9 @@ class ModelRunner:
             raise ValueError(f"cannot rewind to {length} (valid length {self.length})")
         self.length = length
 
-    def start(self, prompt: np.ndarray) -> np.ndarray:
+    def start(self, prompt: np.ndarray, fetch: bool = True) -> np.ndarray | None:
         """Begin a sequence: keep the committed slots that already hold a prefix of `prompt` (all but its
-        last token at most), prefill the rest, return the last token's logits."""
+        last token at most), prefill the rest, return the last token's logits (`fetch`: see run_rows)."""
         keep = 0
         if self.reuse:
             n = min(self.length, len(prompt) - 1)
@@ -200,12 +215,13 @@ class ModelRunner:
             keep = int(differ[0]) if len(differ) else max(n, 0)
         self.rewind(keep)
         self.reused = keep
-        return self.prefill(prompt[keep:])
+        return self.prefill(prompt[keep:], fetch)
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Process a prompt in the cheapest chunks (`plan`); return the last token's logits."""
-        s, logits = 0, None
-        for graph, n in self.plan(len(tokens)):
-            logits = self.forward(graph, tokens[s : s + n])
+    def prefill(self, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
+        """Process a prompt in the cheapest chunks (`plan`); return the last token's logits (`fetch`: see
+        run_rows; only the last chunk's logits are brought to the host)."""
+        s, logits, plan = 0, None, self.plan(len(tokens))
+        for i, (graph, n) in enumerate(plan):
+            logits = self.forward(graph, tokens[s : s + n], fetch=fetch and i == len(plan) - 1)
             s += n
-        return logits[-1]
+        return None if logits is None else logits[-1]

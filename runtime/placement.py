@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from common import graph_io
 from common.manifest import ModelEntry
 from common.shared_weights import SharedWeights
 from common.targets import Target, check_session, compiled_session_options, get_target
@@ -36,14 +37,32 @@ class BoundGraph:
     position_ids: np.ndarray  # [1, T]
     mask: np.ndarray  # [1, T, C + T]
     shared: SharedWeights | None  # the weights the session was handed: they must outlive it
+    greedy_outputs: bool = False  # the graph returns each row's greedy token (compiler/greedy_outputs.py)
 
-    def run(self) -> np.ndarray:
-        """One call on the inputs as they stand; its logits [1, T, V] (the caller's until the next call)."""
+    def run(self) -> None:
+        """One call on the inputs as they stand."""
         self.session.run_with_iobinding(self.binding)
-        return self.logits()
 
     def logits(self) -> np.ndarray:
+        """The last call's logits [1, T, V] on the host (the caller's until the next call)."""
         raise NotImplementedError
+
+    def output(self, name: str) -> np.ndarray:
+        """One of the last call's small outputs (NEXT_TOKEN, LOGITS_CHECK) on the host."""
+        raise NotImplementedError
+
+    def greedy_tokens(self, n: int) -> np.ndarray:
+        """The first n rows' greedy tokens (np.argmax, the first on ties): the graph's own output where it has
+        one (T integers leave the device, no logits), else from the logits."""
+        if self.greedy_outputs:
+            return self.output(graph_io.NEXT_TOKEN)[0, :n]
+        return np.argmax(self.logits()[0, :n], axis=-1)
+
+    def finite(self, n: int) -> np.ndarray:
+        """Whether each of the first n rows' logits are all finite (the graph's check where it has one)."""
+        if self.greedy_outputs:
+            return ~np.isnan(self.output(graph_io.LOGITS_CHECK)[0, :n])
+        return np.isfinite(self.logits()[0, :n]).all(axis=-1)
 
     def run_padding(self, runs: int) -> None:
         """Run `runs` times on padding rows that each see only themselves (token 0 at position 0)."""
@@ -81,6 +100,10 @@ class Placement:
         session = ort.InferenceSession(str(path), so, providers=self.target.providers(self.cuda_graph))
         check_session(session, self.target.name)
         return session
+
+    @staticmethod
+    def has_greedy_outputs(session: ort.InferenceSession) -> bool:
+        return {graph_io.NEXT_TOKEN, graph_io.LOGITS_CHECK} <= {o.name for o in session.get_outputs()}
 
     def inputs(self, tokens: int) -> dict[str, np.ndarray]:
         """A graph's host inputs: token ids, positions, mask."""

@@ -11,7 +11,7 @@ free drafts, acceptance per kind of draft), and no draft means a plain decode st
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class PromptLookup:
         self.table_rounds += kind >= TABLE_KIND
         return Proposal.chain(found[:k])
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         self.policy.observe(len(proposal.tokens), accepted, round_ms)
 

@@ -9,6 +9,7 @@ verification (runtime/rejection.py), a commit of the accepted path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,10 +74,10 @@ class Drafter(Protocol):
     def propose(self, committed: list[int], room: int) -> Proposal:
         """This round's tree, at most `room` deep (an empty one: a plain decode step)."""
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], logits: np.ndarray,
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
-        """The TLM accepted `accepted` tree tokens and emitted `emitted` (those plus one);
-        `logits` holds every call row's logits; the round took round_ms of wall time."""
+        """The TLM accepted `accepted` tree tokens and emitted `emitted` (those plus one); `best(rows)`
+        gives call rows' greedy tokens (sampling.argmax_rows); the round took round_ms of wall time."""
 
     def summary(self) -> dict:
         """Method-specific metrics."""

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, sample, warp
+from runtime.sampling import SamplingParams, argmax_rows, sample, warp
 
 __all__ = ["rejection_sample", "verify_candidates", "verify_greedy", "verify_round", "verify_tree"]
 
@@ -124,16 +124,19 @@ def verify_tree(
     return list(range(1, int(n_acc[0]) + 1)), int(nxt[0])
 
 
-def verify_greedy(tokens: np.ndarray, parents: np.ndarray, logits: np.ndarray) -> tuple[list[int], int]:
+def verify_greedy(tokens: np.ndarray, parents: np.ndarray, best: Callable[[int], np.ndarray]
+                  ) -> tuple[list[int], int]:
     """Greedy verification of any tree: follow the child equal to the TLM's argmax (first index on
-    ties, as `warp`) while there is one; returns (accepted rows, root excluded; next token)."""
+    ties, as `warp`) while there is one; returns (accepted rows, root excluded; next token).
+    best(i): the TLM's greedy token after call row i (sampling.argmax_rows of the logits, or the
+    tokens a device computed: ModelRunner.argmax)."""
     children: dict[tuple[int, int], int] = {(int(parents[i]), int(tokens[i])): i for i in range(1, len(tokens))}
     node, path = 0, []
     while True:
-        best = int(np.argmax(logits[node]))
-        child = children.get((node, best))
+        best_token = int(best(node))
+        child = children.get((node, best_token))
         if child is None:
-            return path, best
+            return path, best_token
         path.append(child)
         node = child
 
@@ -143,5 +146,5 @@ def verify_round(tokens: np.ndarray, parents: np.ndarray, q: np.ndarray | None, 
     """One round's decision from the scoring call's logits (row i: after call row i): greedy walks the
     argmax, sampling verifies exactly (`verify_tree`). Returns (accepted rows, root excluded; next token)."""
     if not params.do_sample:
-        return verify_greedy(tokens, parents, logits)
+        return verify_greedy(tokens, parents, argmax_rows(logits))
     return verify_tree(tokens, parents, q, lambda i: warp(logits[i], params), rng)

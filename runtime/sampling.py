@@ -9,12 +9,13 @@ last axis so the same code serves one row or a batch of rounds.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral, Real
 
 import numpy as np
 
-__all__ = ["SamplingParams", "sample", "softmax", "warp"]
+__all__ = ["SamplingParams", "argmax_rows", "sample", "softmax", "warp"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,11 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     # u * total can round up to total; clamp to the last token with positive mass.
     last_pos = p.shape[-1] - 1 - np.argmax(p[..., ::-1] > 0, axis=-1)
     return np.minimum(idx, last_pos).astype(np.int64)
+
+
+def argmax_rows(logits: np.ndarray) -> Callable[[int | slice], np.ndarray]:
+    """rows -> those rows' greedy tokens, computed only for the rows asked for (a tree's walk reads a few)."""
+    return lambda rows: np.argmax(logits[rows], axis=-1)
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

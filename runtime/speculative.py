@@ -23,9 +23,9 @@ from runtime.draft_policy import DraftPolicy
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup, table_priors
 from runtime.proposal import Drafter, Proposal
-from runtime.rejection import verify_round
+from runtime.rejection import verify_greedy, verify_round
 from runtime.request import lookahead_rows, scoring_draft_lengths
-from runtime.sampling import SamplingParams, next_token
+from runtime.sampling import SamplingParams, argmax_rows, next_token
 
 
 class RoundStats:
@@ -157,7 +157,9 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
     """Prefill, then rounds of propose, score in one TLM call, verify, commit, until the context is full."""
     tlm, stats = art.tlm, RoundStats()
     calls0 = tlm.calls
-    token = next_token(tlm.start(prompt), params, rng)
+    fetch = params.do_sample or not tlm.greedy_outputs  # greedy on a device target: tokens, not logits
+    logits = tlm.start(prompt, fetch)
+    token = next_token(logits, params, rng) if fetch else int(tlm.argmax()[-1])
     committed = [*prompt.tolist(), token]
     drafter.start(committed)
     try:
@@ -167,18 +169,23 @@ def speculative(art: Artifact, prompt: np.ndarray, params: SamplingParams, draft
             proposal = drafter.propose(committed, room=tlm.max_length - 1 - tlm.length)
             t1 = time.perf_counter()
             if proposal.empty:  # a plain decode step, as lean as the autoregressive loop's
-                logits = tlm.forward(graph_io.DECODE, np.array(committed[-1:]))
+                logits = tlm.forward(graph_io.DECODE, np.array(committed[-1:]), fetch)
+                best = argmax_rows(logits) if fetch else tlm.argmax().__getitem__
                 t2 = time.perf_counter()
-                path, emitted = [], [next_token(logits[0], params, rng)]
+                path, emitted = [], [next_token(logits[0], params, rng) if fetch else int(best(0))]
             else:
                 tokens, parents, sees = proposal.rows(committed[-1])
-                logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees)
+                logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees, fetch)
+                best = argmax_rows(logits) if fetch else tlm.argmax().__getitem__
                 t2 = time.perf_counter()
-                path, nxt = verify_round(tokens[: len(parents)], parents, proposal.q, logits, params, rng)
+                if fetch:
+                    path, nxt = verify_round(tokens[: len(parents)], parents, proposal.q, logits, params, rng)
+                else:
+                    path, nxt = verify_greedy(tokens[: len(parents)], parents, best)
                 tlm.commit([0, *path])
                 emitted = [*tokens[path].tolist(), nxt]
             round_s = time.perf_counter() - t0
-            drafter.observe(proposal, len(path), emitted, logits, round_s * 1e3)
+            drafter.observe(proposal, len(path), emitted, best, round_s * 1e3)
             stats.record(proposal, len(path), t1 - t0, t2 - t1, round_s)
             committed += emitted
             for t in emitted:

@@ -41,7 +41,7 @@ from runtime.proposal import Proposal
 from runtime.rejection import verify_round
 from runtime.request import Decoding, Speculation
 from runtime.results import finish_reason
-from runtime.sampling import next_token, sample, warp
+from runtime.sampling import argmax_rows, next_token, sample, warp
 from serve.batch_policy import BatchDraftPolicy
 
 NONE = Proposal()  # a plain step
@@ -315,7 +315,7 @@ class Scheduler:
                     dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
                 emitted = [*call[path].tolist(), nxt]
                 if req.drafter is not None:
-                    req.drafter.observe(proposal, len(path), emitted, rows, 0.0)
+                    req.drafter.observe(proposal, len(path), emitted, argmax_rows(rows), 0.0)
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
                 tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")

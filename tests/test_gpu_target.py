@@ -154,6 +154,8 @@ def test_a_cuda_artifact_builds_without_a_gpu_in_float16_with_mxfp6_in_matmulnbi
         types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
         assert types[graph_io.past_key(0)] == types[graph_io.new_value(0)] == TensorProto.FLOAT16
         assert types[graph_io.LOGITS] == TensorProto.FLOAT  # sampling reads float32 logits
+        assert types[graph_io.NEXT_TOKEN] == TensorProto.INT64  # greedy decoding reads these (greedy_outputs.py)
+        assert types[graph_io.LOGITS_CHECK] == TensorProto.FLOAT
         bits = [a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"]
         assert (set(bits) == {8} and len(bits) >= 7) if role == "tlm" else not bits  # the MXFP6 TLM's matrices
         tables = {t.name for t in graph.initializer if t.data_type == TensorProto.INT8}
@@ -179,7 +181,10 @@ def test_the_float16_graphs_compute_what_the_float32_graphs_compute(cuda_artifac
     for art, dtype in ((cpu_artifact, np.float32), (cuda_artifact, np.float16)):
         graph = art / read_manifest(art).models["tlm"].graphs[graph_io.PREFILL].file
         session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-        logits[dtype] = session.run([graph_io.LOGITS], feeds | {n: v.astype(dtype) for n, v in kv.items()})[0]
+        names = [graph_io.LOGITS, *([graph_io.NEXT_TOKEN] if dtype == np.float16 else [])]
+        out = session.run(names, feeds | {n: v.astype(dtype) for n, v in kv.items()})
+        logits[dtype] = out[0]
+    np.testing.assert_array_equal(out[1], out[0].argmax(-1))  # the device's greedy tokens: its own logits' argmax
     a, b = logits[np.float32], logits[np.float16]
     assert np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-2
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.9

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from runtime.rejection import rejection_sample, verify_candidates, verify_greedy, verify_tree
-from runtime.sampling import SamplingParams, sample, softmax, warp
+from runtime.sampling import SamplingParams, argmax_rows, sample, softmax, warp
 
 AcceptFn = Callable[
     [np.ndarray, np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]
@@ -555,7 +555,8 @@ def test_verify_greedy_equals_the_one_hot_rules_on_random_trees() -> None:
         p = warp(logits, GREEDY)
         q = np.eye(vocab)[tokens[1:]] if chain else None
         want = verify_tree(tokens, parents, q, lambda i, p=p: p[i], np.random.default_rng(trial))
-        got = verify_greedy(tokens, parents, logits)
+        got = verify_greedy(tokens, parents, argmax_rows(logits))
         assert got == want, (trial, tokens, parents)
+        assert verify_greedy(tokens, parents, np.argmax(logits, axis=-1).__getitem__) == want  # a device's tokens
         accepted += len(got[0])
     assert accepted > 400  # deep walks were exercised, not only immediate rejections

@@ -13,9 +13,12 @@
 // consecutive blocks, 768 contiguous bytes, at a time), multiplies each by the rows' 32 activations in
 // float32 and adds the block's dot product, scaled by its power of two, to its per-row sums; the lanes'
 // sums meet in a shuffle reduction. Up to 8 rows per launch (decode: 1; scoring: 2-9 in one or two
-// launches; a prefill chunk: launches of 8 rows, each reading the weights again from L2 or memory: a
-// tensor-core path for many rows is not written yet). Launched on the provider's compute stream
-// (KernelContext_GetGPUComputeStream), with no allocation or synchronisation, so CUDA graphs capture it.
+// launches). From 16 rows (a prefill chunk, a serving batch) `mx_gemm` runs instead on the tensor cores:
+// a thread block decodes a tile of 64 columns' MX blocks once into shared memory (the integer weights as
+// float16, exact) and multiplies 64 rows by it with mma.sync m16n8k16 (float16 in, float32 sums), one MX
+// block of K at a time, scaling each block's product by its column's power of two as the CPU reference
+// does. Launched on the provider's compute stream (KernelContext_GetGPUComputeStream), with no
+// allocation or synchronisation, so CUDA graphs capture it.
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -38,7 +41,10 @@ using namespace gpu_layout;
 
 constexpr int kFloat16 = 10;  // ONNXTensorElementDataType
 constexpr int kWarps = 8;     // warps (output columns) per thread block
-constexpr int kMaxRows = 8;   // rows per launch
+constexpr int kMaxRows = 8;   // rows per launch of mx_gemv
+constexpr int kTensorRows = 16;  // from this many rows, mx_gemm (tensor cores)
+constexpr int kTile = 64;        // mx_gemm: rows and columns per thread block (4 warps of 32 x 32)
+constexpr int kPad = kBlock + 8;  // a shared tile row's halves: 80 bytes, so a warp's fragment loads hit 32 banks
 
 template <int WBits>
 __device__ __forceinline__ void load_block(const uint8_t* p, uint64_t words[4]) {
@@ -48,6 +54,10 @@ __device__ __forceinline__ void load_block(const uint8_t* p, uint64_t words[4]) 
     const uint2 v = __ldg(q + i);
     words[i] = (static_cast<uint64_t>(v.y) << 32) | v.x;
   }
+}
+
+__device__ __forceinline__ float block_scale(int e, int shift) {
+  return e == 255 ? __int_as_float(0x7fc00000) : ldexpf(1.0f, e - 127 - shift);
 }
 
 template <int WBits, int Rows>
@@ -65,8 +75,7 @@ __global__ void __launch_bounds__(kWarps * 32) mx_gemv(const __half* __restrict_
   for (int64_t b = lane; b < kb; b += 32) {
     uint64_t words[4] = {0, 0, 0, 0};
     load_block<WBits>(wc + b * kBlockBytes<WBits>, words);
-    const int e = s[col * kb + b];
-    const float scale = e == 255 ? __int_as_float(0x7fc00000) : ldexpf(1.0f, e - 127 - kShift<WBits>);
+    const float scale = block_scale(s[col * kb + b], kShift<WBits>);
     float wv[kBlock];
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) wv[i] = static_cast<float>(block_weight<WBits>(words, i));
@@ -103,6 +112,103 @@ __global__ void __launch_bounds__(kWarps * 32) mx_gemv(const __half* __restrict_
   }
 }
 
+// D += A (16 x 16, row major) x B (16 x 8, column major), float16 in, float32 sums (sm_80 and later).
+__device__ __forceinline__ void mma_16x8x16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t pair(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Many rows on the tensor cores: the thread block's 64 x 64 tile of Y, one MX block of K (32) per step.
+// Each step stages the rows' 32 activations and the columns' decoded integer weights in shared memory;
+// warp (wm, wn) multiplies its 32 rows by its 32 columns (2 x 4 mma tiles, two k16 halves), and adds the
+// block's products times the column's scale to its sums. The fragment layouts are PTX's for m16n8k16:
+// lane = 4 g + t holds A (g, 2t..2t+1), (g + 8, ..), (g, 2t + 8..), (g + 8, 2t + 8..); B (k 2t..2t+1, n g),
+// (k 2t + 8.., n g); C (g, 2t..2t+1), (g + 8, 2t..2t+1).
+template <int WBits>
+__global__ void __launch_bounds__(128) mx_gemm(const __half* __restrict__ a, const uint8_t* __restrict__ w,
+                                               const uint8_t* __restrict__ s, __half* __restrict__ y, int64_t m,
+                                               int64_t k, int64_t n, int64_t kb) {
+  __shared__ __align__(16) __half as[kTile][kPad];
+  __shared__ __align__(16) __half ws[kTile][kPad];  // [column][k]: B's k pairs are contiguous
+  __shared__ float scale[kTile];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int wm = warp / 2, wn = warp % 2;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const bool vector_rows = k % 8 == 0;
+  float acc[2][4][4] = {};
+  for (int64_t b = 0; b < kb; ++b) {
+    __syncthreads();  // the last step's tiles are read
+    {  // activations: thread tid stages half a row (16 of its 32)
+      const int r = tid / 2, c = (tid % 2) * 16;
+      const int64_t row = m0 + r, col = b * kBlock + c;
+      __half* dst = &as[r][c];
+      if (row < m && col + 16 <= k && vector_rows) {
+        const uint4* src = reinterpret_cast<const uint4*>(a + row * k + col);
+        reinterpret_cast<uint4*>(dst)[0] = __ldg(src);
+        reinterpret_cast<uint4*>(dst)[1] = __ldg(src + 1);
+      } else {
+        for (int i = 0; i < 16; ++i) dst[i] = row < m && col + i < k ? a[row * k + col + i] : __float2half(0.0f);
+      }
+    }
+    {  // weights: thread tid decodes half a column's block (K past the end holds code 0: weight 0)
+      const int j = tid / 2, first = (tid % 2) * 16;
+      const int64_t col = n0 + j;
+      uint64_t words[4] = {0, 0, 0, 0};
+      if (col < n) load_block<WBits>(w + (col * kb + b) * kBlockBytes<WBits>, words);
+#pragma unroll
+      for (int i = first; i < first + 16; ++i) ws[j][i] = __int2half_rn(block_weight<WBits>(words, i));
+      if (first == 0) scale[j] = col < n ? block_scale(s[col * kb + b], kShift<WBits>) : 0.0f;
+    }
+    __syncthreads();
+    float part[2][4][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kBlock; kk += 16) {
+      uint32_t af[2][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int r = wm * 32 + mi * 16 + g;
+        af[mi][0] = pair(&as[r][kk + 2 * t]);
+        af[mi][1] = pair(&as[r + 8][kk + 2 * t]);
+        af[mi][2] = pair(&as[r][kk + 2 * t + 8]);
+        af[mi][3] = pair(&as[r + 8][kk + 2 * t + 8]);
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int c = wn * 32 + ni * 8 + g;
+        bf[ni][0] = pair(&ws[c][kk + 2 * t]);
+        bf[ni][1] = pair(&ws[c][kk + 2 * t + 8]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_16x8x16(part[mi][ni], af[mi], bf[ni]);
+    }
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const float s0 = scale[wn * 32 + ni * 8 + 2 * t], s1 = scale[wn * 32 + ni * 8 + 2 * t + 1];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[mi][ni][q] = fmaf(part[mi][ni][q], q % 2 ? s1 : s0, acc[mi][ni][q]);
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int64_t row = m0 + wm * 32 + mi * 16 + g + (q >= 2 ? 8 : 0);
+        const int64_t col = n0 + wn * 32 + ni * 8 + 2 * t + q % 2;
+        if (row < m && col < n) y[row * n + col] = __float2half(acc[mi][ni][q]);
+      }
+}
+
 using Launch = void (*)(const __half*, const uint8_t*, const uint8_t*, __half*, int64_t, int64_t, int64_t);
 
 template <int WBits, size_t... R>
@@ -130,12 +236,21 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   static constexpr auto k6 = by_rows<6>(std::make_index_sequence<kMaxRows>());
   static constexpr auto k8 = by_rows<8>(std::make_index_sequence<kMaxRows>());
   const auto& kernels = kernel.weight_bits == 8 ? k8 : k6;
+  const auto a = static_cast<const __half*>(pa);
+  const auto w = static_cast<const uint8_t*>(pw);
+  const auto sc = static_cast<const uint8_t*>(ps);
+  const auto cu = static_cast<cudaStream_t>(stream);
+  if (m >= kTensorRows) {
+    const dim3 tiles(static_cast<unsigned>((kernel.n + kTile - 1) / kTile),
+                     static_cast<unsigned>((m + kTile - 1) / kTile));
+    (kernel.weight_bits == 8 ? mx_gemm<8> : mx_gemm<6>)<<<tiles, 128, 0, cu>>>(a, w, sc, static_cast<__half*>(py), m,
+                                                                                kernel.k, kernel.n, kb);
+  }
   const dim3 grid(static_cast<unsigned>((kernel.n + kWarps - 1) / kWarps)), block(kWarps * 32);
-  for (int64_t row = 0; row < m; row += kMaxRows) {
+  for (int64_t row = 0; row < m && m < kTensorRows; row += kMaxRows) {
     const int rows = static_cast<int>(m - row < kMaxRows ? m - row : kMaxRows);
-    kernels[rows - 1]<<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const __half*>(pa) + row * kernel.k, static_cast<const uint8_t*>(pw),
-        static_cast<const uint8_t*>(ps), static_cast<__half*>(py) + row * kernel.n, kernel.k, kernel.n, kb);
+    kernels[rows - 1]<<<grid, block, 0, cu>>>(a + row * kernel.k, w, sc, static_cast<__half*>(py) + row * kernel.n,
+                                              kernel.k, kernel.n, kb);
   }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : g_api.error(cudaGetErrorString(err));

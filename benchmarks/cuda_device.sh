@@ -15,6 +15,10 @@
 #           random weights) in the background, with the machine's CPU ONNX Runtime: the wheels are
 #           enough, and the build overlaps the calls that bring onnxruntime-gpu. Graph costs are then
 #           not timed at build (no CUDA provider yet): the runtime's policies measure them as they go.
+#   bgwide  likewise starts, in the background, SmolLM2 widened 8x to a 7B's cost (python -m
+#           benchmarks.widen_checkpoint: 7.25B parameters, 14.5 GB in float16, the same text as SmolLM2) and
+#           the builds of its Figure-7 report (SmolLM2 itself as the draft), one at a time (disk: 64 GiB);
+#   wide    waits for those, then that report twice (issue 59's "Figure 7 at 7B cost");
 #   7b      waits for those builds, then the Figure-7 report on them twice and benchmarks.gpu on both;
 #   memory  waits for those builds, then benchmarks.gpu_memory on both (shared weights against a copy per session);
 #   report  the Figure-7 report on smollm2-135m-chat twice;   draft  the same on tiny-stdlib-spd;
@@ -22,7 +26,7 @@
 # Logs and reports go to OUT (at most 8 files come back from the device tool).
 set -uo pipefail
 P=${PIECES:?} OUT=${OUT:?}
-SITE=/tmp/site ORTGPU=/tmp/ortgpu SRC=/root/src CK=/root/ck R7=/root/rep7
+SITE=/tmp/site ORTGPU=/tmp/ortgpu SRC=/root/src CK=/root/ck R7=/root/rep7 WIDE=/root/wide RW=/root/repw
 has() { [[ " ${STEPS:-kernel report gpu} " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 summarize() {  # benchmarks.gpu's JSON, the figures docs/benchmarks.md quotes
@@ -48,15 +52,29 @@ fi
 REPORT7=(python3 -m benchmarks.report --recipe llama2-7b-spd --target ort-cuda --tlm $CK/tlm --dlm $CK/dlm
          --max-new-tokens "${NEW7:-64}" --out $R7 --bandwidth-gib 4)
 
-if has bg7b; then
+GGUF=/root/SmolLM2-135M-Instruct.Q4_1.gguf
+REPORTW=(python3 -m benchmarks.report --recipe smollm2-135m-chat --target ort-cuda --tlm $WIDE --dlm $GGUF
+         --max-new-tokens "${NEWW:-64}" --out $RW --bandwidth-gib 4)
+if has bg7b || has bgwide; then
   rm -rf $SRC && cp -a . $SRC && cd $SRC || exit 1
-  PYTHONPATH=$SITE:$SRC setsid nohup bash -c "
-    python3 -m benchmarks.make_checkpoint --shape llama2-7b --layers ${LAYERS:-2} --out $CK/tlm > /root/ck_tlm.log 2>&1 &
-    python3 -m benchmarks.make_checkpoint --shape llama-160m --out $CK/dlm > /root/ck_dlm.log 2>&1 &
-    wait; echo checkpoints at \$(date +%T); ${REPORT7[*]} --parallel-builds; echo builds done at \$(date +%T)
-  " > /root/bg7b.log 2>&1 < /dev/null &
-  echo $! > /root/bg7b.pid
-  echo "started the 7B-shaped builds in the background at $(date +%T)"
+  if has bg7b; then
+    PYTHONPATH=$SITE:$SRC setsid nohup bash -c "
+      python3 -m benchmarks.make_checkpoint --shape llama2-7b --layers ${LAYERS:-2} --out $CK/tlm > /root/ck_tlm.log 2>&1 &
+      python3 -m benchmarks.make_checkpoint --shape llama-160m --out $CK/dlm > /root/ck_dlm.log 2>&1 &
+      wait; echo checkpoints at \$(date +%T); ${REPORT7[*]} --parallel-builds; echo builds done at \$(date +%T)
+    " > /root/bg7b.log 2>&1 < /dev/null &
+    echo $! > /root/bg7b.pid
+    echo "started the 7B-shaped builds in the background at $(date +%T)"
+  fi
+  if has bgwide; then  # one build at a time: a 7.25B float16 artifact, its MXFP6 one and an export's scratch
+    [ -f $GGUF ] || xz -dc $P/SmolLM2-135M-Instruct.Q4_1.gguf.xz > $GGUF || exit 1
+    PYTHONPATH=$SITE:$SRC setsid nohup bash -c "
+      python3 -m benchmarks.widen_checkpoint --source $GGUF --r 8 --dtype float16 --out $WIDE; echo widened at \$(date +%T)
+      ${REPORTW[*]}; echo builds done at \$(date +%T)
+    " > /root/bgwide.log 2>&1 < /dev/null &
+    echo $! > /root/bgwide.pid
+    echo "started widening SmolLM2 to a 7B's cost and its builds in the background at $(date +%T)"
+  fi
   exit 0
 fi
 
@@ -80,15 +98,27 @@ if has kernel; then
   timeout "${KERNEL_S:-180}" python3 -m benchmarks.gpu_kernel --out $OUT/kernel.json > $OUT/kernel.log 2>&1
   echo "gpu_kernel: rc $? in ${SECONDS}s"; tail -n 60 $OUT/kernel.log
 fi
-if has 7b || has memory; then
+wait_for() {  # a background job (bg7b, bgwide) to end; still building, a report would start a second build
+  SECONDS=0
+  timeout "${BUILD_WAIT_S:-300}" bash -c "while kill -0 \$(cat /root/$1.pid) 2> /dev/null; do sleep 1; done"
+  local waited=$?
+  echo "waited ${SECONDS}s for $1"; cp /root/$1.log $OUT/$1.log; tail -n 2 /root/$1.log
+  [ $waited -eq 0 ] || { echo "$1 is still running"; exit 1; }
+}
+if has 7b || has memory || has wide; then
   cd $SRC || exit 1
   export PYTHONPATH=$ORTGPU:$SITE:$SRC
-  SECONDS=0
-  timeout "${BUILD_WAIT_S:-300}" bash -c 'while kill -0 "$(cat /root/bg7b.pid)" 2> /dev/null; do sleep 1; done'
-  waited=$?
-  echo "waited ${SECONDS}s for the background builds"; cp /root/bg7b.log $OUT/bg7b.log; tail -n 2 /root/bg7b.log
-  # still building: a report now would start a second build of the same folders
-  [ $waited -eq 0 ] || { echo "the background builds are still running"; exit 1; }
+  { has 7b || has memory; } && wait_for bg7b
+  has wide && wait_for bgwide
+fi
+if has wide; then  # Figure 7 at a 7B's cost: SmolLM2 widened 8x (7.25B parameters, its own text), SmolLM2 as the draft
+  for i in 1 2; do
+    SECONDS=0
+    timeout "${REPORTW_S:-300}" "${REPORTW[@]}" > $OUT/rw_$i.log 2>&1
+    echo "widened SmolLM2 report $i: rc $? in ${SECONDS}s"
+    cp $RW/smollm2-135m-chat/report.json $OUT/rw_$i.json
+    sed -n '/^|/p' $RW/smollm2-135m-chat/report.md
+  done
 fi
 if has memory; then  # one device copy of each model's weights for all its graphs, against a copy per session
   for a in fp32 mxfp6; do
@@ -111,7 +141,6 @@ if has 7b; then
   summarize $OUT/gpu7.json
 fi
 
-GGUF=/root/SmolLM2-135M-Instruct.Q4_1.gguf
 if has report || has gpu; then
   [ -f $GGUF ] || xz -dc $P/SmolLM2-135M-Instruct.Q4_1.gguf.xz > $GGUF || exit 1
 fi

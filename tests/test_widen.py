@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from common.staging import MARKER, OutputExistsError
@@ -174,3 +175,21 @@ def test_wide_recipe_pairs_the_wide_tlm_with_the_distilled_dlm():
 def test_widen_refuses_bad_input(small):
     with pytest.raises(ValueError, match="positive integer"):
         widen.widen(small, 0)
+
+
+def test_any_checkpoint_widens_to_a_bigger_cost_with_the_same_logits(small, held_out_ids, small_logits, tmp_path):
+    """benchmarks.widen_checkpoint (a real model at a 7B's cost: docs/gpu.md) from a checkpoint reference,
+    stored in float32 or, for a power-of-two r, exactly in float16 (the source's weights are float16)."""
+    from benchmarks.widen_checkpoint import build
+
+    source = str(builtin_model_dir("stdlib-tlm"))
+    for r, dtype in ((3, "float32"), (2, "float16")):
+        record = build(source, r, tmp_path / dtype, dtype)
+        assert record["parameters"] > r * record["source_parameters"] and record["dtype"] == dtype
+        with safe_open(tmp_path / dtype / "model.safetensors", "pt") as f:
+            assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {f"torch.{dtype}"}
+        wide = LlamaForCausalLM.from_pretrained(tmp_path / dtype, dtype=torch.float32)
+        assert max_diff(wide, held_out_ids, small_logits) <= TOL
+    with pytest.raises(ValueError, match="power-of-two r"):
+        build(source, 3, tmp_path / "refused", "float16")
+    assert not (tmp_path / "refused").exists()

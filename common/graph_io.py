@@ -12,7 +12,8 @@ D = head dim, V = vocabulary size, L = layers.
 |                     |         |                | new tokens (last T columns) token t may attend to    |
 | past_key.{i}        | kv      | [B, H, C, D]   | layer i's key cache (unused slots are masked out)    |
 | past_value.{i}      | kv      | [B, H, C, D]   | layer i's value cache                                |
-| logits              | float32 | [B, T, V]      | next-token logits for each new token                 |
+| logits              | float32 | [B, T, V]      | next-token logits for each new token (prefill_last:  |
+|                     |         |                | [B, 1, V], the last one's)                           |
 | new_key.{i}         | kv      | [B, H, T, D]   | keys of the T new tokens; the host writes them into  |
 | new_value.{i}       | kv      | [B, H, T, D]   | the cache slots it chose                             |
 | next_token          | int64   | [B, T]         | each row's argmax (greedy token): device targets'    |
@@ -50,6 +51,18 @@ MX_BASE_OPSET_KEY = "mx.base_opset"
 # lookahead graph sized for the recipe's lookahead settings. A call of n rows runs on the
 # smallest graph with T >= n (`fitting_graph`), so any tree that fits some graph can be scored.
 PREFILL, DECODE, CATCHUP, LOOKAHEAD = "prefill", "decode", "catchup", "lookahead"
+
+# A prompt's prefill needs its last row's logits only (llama.cpp computes no others either): this graph is
+# the prefill chunk's with logits [B, 1, V] for its last row alone, so its LM head reads one row, not T
+# (at SmolLM2's and Llama-3.2-1B's widths about a fifth of a prefill call). The runtime places a chunk's
+# rows at the graph's end, and prefills with it wherever a model has it; calls that want every row's
+# logits (scoring, perplexity) use PREFILL.
+PREFILL_LAST = "prefill_last"
+
+
+def logit_rows(graph: str, tokens: int) -> int:
+    """The rows of logits a graph returns: the last row's alone for PREFILL_LAST, else every row's."""
+    return 1 if graph == PREFILL_LAST else tokens
 
 
 def score_graph(k: int) -> str:
@@ -197,9 +210,10 @@ def input_shapes(dims: ModelDims, batch: int, tokens: int, context: int) -> dict
     return shapes
 
 
-def output_shapes(dims: ModelDims, batch: int, tokens: int) -> dict[str, tuple]:
+def output_shapes(dims: ModelDims, batch: int, tokens: int, logits: int | None = None) -> dict[str, tuple]:
+    """`logits`: the rows of logits (`logit_rows`; default every row's)."""
     new = (batch, dims.n_kv_heads, tokens, dims.head_dim)
-    shapes: dict[str, tuple] = {LOGITS: (batch, tokens, dims.vocab_size)}
+    shapes: dict[str, tuple] = {LOGITS: (batch, logits or tokens, dims.vocab_size)}
     for i in range(dims.n_layers):
         shapes[new_key(i)] = new
         shapes[new_value(i)] = new

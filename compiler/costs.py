@@ -48,16 +48,20 @@ def call_inputs(dims: ModelDims, tokens: int, context: int, device: str) -> dict
         name: kv for name in graph_io.input_names(dims)[3:]}
 
 
-def bound_call(session: ort.InferenceSession, dims: ModelDims, tokens: int, context: int,
+def bound_call(session: ort.InferenceSession, graph: str, dims: ModelDims, tokens: int, context: int,
                device: str) -> tuple[ort.IOBinding, ort.OrtValue]:
-    """A call bound as the runtime binds it: inputs from `call_inputs`, every output written into a
-    buffer allocated once on the device (a CUDA graph replays fixed addresses). Returns the binding
-    and the logits buffer."""
+    """A call of `graph` bound as the runtime binds it: inputs from `call_inputs`, every output (the greedy
+    outputs too, where the graph has them) written into a buffer allocated once on the device (a CUDA graph
+    replays fixed addresses). Returns the binding and the logits buffer."""
     binding, logits = session.io_binding(), None
     for name, value in call_inputs(dims, tokens, context, device).items():
         binding.bind_ortvalue_input(name, value)
-    for name, shape in graph_io.output_shapes(dims, 1, tokens).items():
-        dtype = np.float32 if name == graph_io.LOGITS else np.dtype(dims.kv_dtype).type
+    rows = graph_io.logit_rows(graph, tokens)
+    shapes = graph_io.output_shapes(dims, 1, tokens, rows)
+    greedy = {graph_io.NEXT_TOKEN: np.int64, graph_io.LOGITS_CHECK: np.float32}
+    shapes |= {name: (1, rows) for name in greedy if name in {o.name for o in session.get_outputs()}}
+    for name, shape in shapes.items():
+        dtype = greedy.get(name) or (np.float32 if name == graph_io.LOGITS else np.dtype(dims.kv_dtype).type)
         buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)
         binding.bind_ortvalue_output(name, buffer)
         logits = buffer if name == graph_io.LOGITS else logits
@@ -97,7 +101,7 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
             check_session(session, target)
     except TargetUnavailableError:
         return {}
-    calls = {n: (s, *bound_call(s, dims, graphs[n][1], context, device)) for n, s in sessions.items()}
+    calls = {n: (s, *bound_call(s, n, dims, graphs[n][1], context, device)) for n, s in sessions.items()}
     warm = 3 if cuda_graph else 1  # ONNX Runtime's CUDA provider captures a graph on a session's third run
     times: dict[str, list[float]] = {n: [] for n in graphs}
     for i in range(repeats + warm):

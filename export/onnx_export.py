@@ -125,16 +125,18 @@ def _weight_refs(graph: onnx.GraphProto, model: PreTrainedModel, n_io: int) -> l
 
 
 def trace_structure(
-    model: PreTrainedModel, tokens: int, context: int, batch: int = 1, split_attention: bool = True
+    model: PreTrainedModel, tokens: int, context: int, batch: int = 1, split_attention: bool = True,
+    last_row: bool = False,
 ) -> tuple[onnx.ModelProto, list[WeightRef]]:
     """One fixed-shape graph without its weights, and the weights it reads (initializers to attach).
 
     Weights are traced as graph inputs, so the model may hold placeholders (see
     loader.placeholder_model): no weight is copied into the graph, whatever the model's size.
-    `split_attention=False` (transformers' concat attention) is a benchmark baseline.
+    `split_attention=False` (transformers' concat attention) is a benchmark baseline; `last_row`: logits
+    for the last row alone (graph_io.PREFILL_LAST).
     """
     dims = model_dims(model)
-    wrapper = ExplicitKVWrapper(model, split=split_attention).eval()
+    wrapper = ExplicitKVWrapper(model, split=split_attention, last_row=last_row).eval()
     io_names = graph_io.input_names(dims)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _shape_inference_without_weights():
         warnings.simplefilter("ignore")
@@ -202,7 +204,8 @@ def export_model(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    traced = {key: trace_structure(model, tokens, cache_slots, batch)
+    traced = {key: trace_structure(model, tokens, cache_slots, batch,
+                                   last_row=graph_io.logit_rows(key, tokens) < tokens)
               for key, tokens in tqdm(graph_tokens.items(), desc=f"trace {role}", disable=not progress)}
     refs = unique_refs(r for _, r in traced.values())
     matmul = set().union(*(matmul_weights(graph.graph) for graph, _ in traced.values()))

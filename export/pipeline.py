@@ -43,7 +43,7 @@ def graph_plan(recipe: Recipe, role: str) -> dict[str, int]:
     """
     if role == "tlm":
         k_max = max(recipe.k, recipe.prompt_lookup.max_draft)
-        plan = {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1}
+        plan = {graph_io.PREFILL: recipe.prefill_chunk, graph_io.PREFILL_LAST: recipe.prefill_chunk, graph_io.DECODE: 1}
         plan |= {graph_io.score_graph(k): k + 1 for k in graph_io.draft_lengths(k_max)}
         if recipe.capacity >= 2 * recipe.context_length:
             plan |= {graph_io.batch_graph(t): t for t in SERVING_ROWS
@@ -51,7 +51,8 @@ def graph_plan(recipe: Recipe, role: str) -> dict[str, int]:
         la = recipe.lookahead
         t = graph_io.lookahead_tokens(la.ngram, la.window, la.guesses)
         return plan if t in plan.values() else plan | {graph_io.LOOKAHEAD: t}
-    return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.DECODE: 1, graph_io.CATCHUP: 2}
+    return {graph_io.PREFILL: recipe.prefill_chunk, graph_io.PREFILL_LAST: recipe.prefill_chunk, graph_io.DECODE: 1,
+            graph_io.CATCHUP: 2}
 
 
 def check_same_vocabulary(tlm_dir: Path, dlm_dir: Path, tlm: PreTrainedModel, dlm: PreTrainedModel) -> None:

@@ -25,11 +25,13 @@ class ExplicitKVWrapper(torch.nn.Module):
     kept only as the baseline of benchmarks/attention_cost.py.
     """
 
-    def __init__(self, model: PreTrainedModel, split: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, split: bool = True, last_row: bool = False) -> None:
+        """`last_row`: logits for the last row alone (graph_io.PREFILL_LAST: its LM head reads one row)."""
         super().__init__()
         self.model = model
         self.n_layers = model.config.num_hidden_layers
         self.split = split
+        self.last_row = last_row
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name is
         # deprecated until 5.40); pass whichever this version's signature names.
         params = inspect.signature(model.forward).parameters
@@ -46,7 +48,8 @@ class ExplicitKVWrapper(torch.nn.Module):
         additive = torch.where(
             attention_mask, torch.tensor(0.0, dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
         )[:, None]  # [B, 1, T, C + T], the form transformers accepts as a prepared 4D mask
-        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=additive, use_cache=True)
+        inputs = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=additive, use_cache=True,
+                      logits_to_keep=1 if self.last_row else 0)
         if self.split:
             cache = SplitCache(past)
             with split_attention(self.model, cache) as extra:

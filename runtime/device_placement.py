@@ -88,14 +88,15 @@ class DevicePlacement(Placement):
         """Every buffer on the device, bound once at a fixed address; the cache's layer slices as past KV."""
         d = self.dims
         session = self.session(graph, path)
+        rows = io.logit_rows(graph, tokens)
         g = DeviceGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
-                        greedy_outputs=self.has_greedy_outputs(session), **self.inputs(tokens))
+                        greedy_outputs=self.has_greedy_outputs(session), logit_rows=rows, **self.inputs(tokens))
         g.on_device = {name: zeros(getattr(g, field).shape, getattr(g, field).dtype, self.target.device)
                        for name, field in _INPUTS.items()}
-        outputs = {io.LOGITS: zeros((1, tokens, d.vocab_size), np.float32, self.target.device)}
+        outputs = {io.LOGITS: zeros((1, rows, d.vocab_size), np.float32, self.target.device)}
         if g.greedy_outputs:  # each row's greedy token and finite check, so greedy decoding reads T numbers
-            outputs[io.NEXT_TOKEN] = zeros((1, tokens), np.int64, self.target.device)
-            outputs[io.LOGITS_CHECK] = zeros((1, tokens), np.float32, self.target.device)
+            outputs[io.NEXT_TOKEN] = zeros((1, rows), np.int64, self.target.device)
+            outputs[io.LOGITS_CHECK] = zeros((1, rows), np.float32, self.target.device)
         for name, value in g.on_device.items():
             g.binding.bind_ortvalue_input(name, value)
         for name, value in outputs.items():

@@ -50,14 +50,15 @@ class HostPlacement(Placement):
     def open(self, graph: str, path: Path, tokens: int) -> HostGraph:
         d = self.dims
         session = self.session(graph, path)
+        rows = graph_io.logit_rows(graph, tokens)
         g = HostGraph(tokens=tokens, session=session, binding=session.io_binding(), shared=self.shared,
-                      greedy_outputs=self.has_greedy_outputs(session),
-                      logits_out=np.zeros((1, tokens, d.vocab_size), np.float32),
+                      greedy_outputs=self.has_greedy_outputs(session), logit_rows=rows,
+                      logits_out=np.zeros((1, rows, d.vocab_size), np.float32),
                       new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
                       small={}, **self.inputs(tokens))
         if g.greedy_outputs:
-            g.small = {graph_io.NEXT_TOKEN: np.zeros((1, tokens), np.int64),
-                       graph_io.LOGITS_CHECK: np.zeros((1, tokens), np.float32)}
+            g.small = {graph_io.NEXT_TOKEN: np.zeros((1, rows), np.int64),
+                       graph_io.LOGITS_CHECK: np.zeros((1, rows), np.float32)}
         for name, array in g.small.items():
             _bind(g.binding, name, array, output=True)
         _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)
@@ -73,8 +74,8 @@ class HostPlacement(Placement):
 
     def store(self, g: HostGraph, rows: np.ndarray, slots: np.ndarray) -> None:
         m = len(rows)
-        chain = m > 0 and rows[0] == 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
+        chain = m > 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
         if chain:  # contiguous on both sides: one slice copy
-            self.cache_stack[..., slots[0] : slots[0] + m, :] = g.new_kv[..., :m, :]
+            self.cache_stack[..., slots[0] : slots[0] + m, :] = g.new_kv[..., rows[0] : rows[0] + m, :]
         else:
             self.cache_stack[..., slots, :] = g.new_kv[..., rows, :]

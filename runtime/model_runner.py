@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from common import graph_io
-from common.manifest import ModelEntry
+from common.manifest import GraphEntry, ModelEntry
 from common.targets import get_target, parked_pools
 from runtime.device_placement import DevicePlacement
 from runtime.host_placement import HostPlacement
@@ -77,11 +77,12 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
-        self._rows = 0  # the last run's rows
+        self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
         with parked_pools():
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
                            for name, g in entry.graphs.items()}
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
+        self.prefill_graph = graph_io.PREFILL_LAST if graph_io.PREFILL_LAST in self.graphs else graph_io.PREFILL
         self.warm: set[str] = set()  # graphs run at least once (a first run allocates: warm_up)
 
     def capture_graphs(self) -> None:
@@ -103,11 +104,16 @@ class ModelRunner:
 
     def graph_for(self, rows: int) -> str:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
-        return graph_io.fitting_graph({name: g.tokens for name, g in self.graphs.items()}, rows)
+        return graph_io.fitting_graph({name: g.tokens for name, g in self._every_row()}, rows)
 
     def plan(self, rows: int, max_rows: int | None = None) -> list[tuple[str, int]]:
         """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls)."""
-        return graph_io.plan_calls({name: (g.tokens, g.cost_ms) for name, g in self.entries.items()}, rows, max_rows)
+        return graph_io.plan_calls({name: (g.tokens, g.cost_ms) for name, g in self._every_row()}, rows, max_rows)
+
+    def _every_row(self) -> list[tuple[str, GraphEntry]]:
+        """The graphs that return every row's logits, which any call may run (PREFILL_LAST returns the last
+        row's alone: only `prefill` runs it, as `prefill_graph`)."""
+        return [(name, g) for name, g in self.entries.items() if graph_io.logit_rows(name, g.tokens) == g.tokens]
 
     def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None, fetch: bool = True
             ) -> np.ndarray | None:
@@ -125,10 +131,11 @@ class ModelRunner:
         """The general call: row i sees the cache slots `cache_sees[i]` (bool [n, C], or [C] for all
         rows) and the new rows `sees[i]`; its position is the number of tokens it sees, minus one.
         Return the rows' logits [n, V]. Unused rows of a fixed-shape graph are padding that only
-        sees itself. check=False leaves NaN/Inf rows to the caller (a batch of independent requests
-        fails only the request whose row it is). fetch=False, for greedy decoding: the logits stay where
-        the graph wrote them (None is returned) and `argmax()` gives each row's token (on a device
-        target, T integers cross to the host instead of T vocabularies of floats).
+        sees itself; a graph that returns its last row's logits alone (PREFILL_LAST) holds the rows at
+        its end and returns [1, V], the last row's. check=False leaves NaN/Inf rows to the caller (a
+        batch of independent requests fails only the request whose row it is). fetch=False, for greedy
+        decoding: the logits stay where the graph wrote them (None is returned) and `argmax()` gives each
+        row's token (on a device target, T integers cross to the host instead of T vocabularies of floats).
         """
         if self.place.needs_capture():
             self.capture_graphs()
@@ -139,23 +146,27 @@ class ModelRunner:
         positions = np.sum(cache_sees, axis=-1) + sees.sum(axis=1) - 1
         if positions.max() >= self.max_length:
             raise ValueError(f"position {positions.max()} is past the context length {self.max_length}")
-        g.input_ids[0, :n] = tokens
-        g.input_ids[0, n:] = 0
-        g.position_ids[0, :n] = positions
-        g.position_ids[0, n:] = 0
+        last_row = g.logit_rows < g.tokens
+        first = g.tokens - n if last_row else 0  # the call's rows: first .. first + n - 1
+        rows = slice(first, first + n)
+        g.input_ids[...] = 0
+        g.input_ids[0, rows] = tokens
+        g.position_ids[...] = 0
+        g.position_ids[0, rows] = positions
         g.mask[...] = False
-        g.mask[0, :n, :c] = cache_sees
-        g.mask[0, :n, c : c + n] = sees
-        pad = np.arange(n, g.tokens)
+        g.mask[0, rows, :c] = cache_sees
+        g.mask[0, rows, c + first : c + first + n] = sees
+        pad = np.arange(first) if first else np.arange(n, g.tokens)
         g.mask[0, pad, c + pad] = True
+        out = 1 if last_row else n  # rows of logits
         t0 = time.perf_counter()
         g.run()
-        logits = g.logits()[0, :n] if fetch else None
+        logits = g.logits()[0, :out] if fetch else None
         self.call_s += time.perf_counter() - t0
         self.calls += 1
         self.warm.add(graph)
-        self._last, self._rows = g, n
-        if check and not (np.isfinite(logits).all() if fetch else g.finite(n).all()):
+        self._last, self._first, self._rows = g, first, out
+        if check and not (np.isfinite(logits).all() if fetch else g.finite(out).all()):
             raise NonFiniteLogitsError(
                 f"graph {graph!r} produced NaN/Inf logits at positions {positions.min()}..{positions.max()}: no "
                 "token can be chosen from them (damaged weights, or values overflowing the weight format)"
@@ -180,7 +191,7 @@ class ModelRunner:
         if start + m > self.context:
             raise ValueError(f"{start + m} tokens exceed the cache's {self.context} slots")
         self.store(rows, np.arange(start, start + m))
-        self.history[start : start + m] = self._last.input_ids[0, rows]
+        self.history[start : start + m] = self._last.input_ids[0, self._first + rows]
         self.length = start + m
 
     def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -189,7 +200,7 @@ class ModelRunner:
         m = len(rows)
         if m:
             self.length = min(self.length, int(slots.min()))
-        self.place.store(self._last, rows, slots)
+        self.place.store(self._last, self._first + np.asarray(rows, dtype=np.int64), slots)
 
     def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
         """Process a chain of tokens and commit all of them; return their logits [n, V] (`fetch`: see run_rows)."""
@@ -222,6 +233,7 @@ class ModelRunner:
         run_rows; only the last chunk's logits are brought to the host)."""
         s, logits, plan = 0, None, self.plan(len(tokens))
         for i, (graph, n) in enumerate(plan):
+            graph = self.prefill_graph if graph == graph_io.PREFILL else graph
             logits = self.forward(graph, tokens[s : s + n], fetch=fetch and i == len(plan) - 1)
             s += n
         return None if logits is None else logits[-1]

@@ -38,6 +38,7 @@ class BoundGraph:
     mask: np.ndarray  # [1, T, C + T]
     shared: SharedWeights | None  # the weights the session was handed: they must outlive it
     greedy_outputs: bool = False  # the graph returns each row's greedy token (compiler/greedy_outputs.py)
+    logit_rows: int = 0  # rows of logits it returns: T, or 1 (graph_io.PREFILL_LAST: its last row's alone)
 
     def run(self) -> None:
         """One call on the inputs as they stand."""

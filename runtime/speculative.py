@@ -110,7 +110,7 @@ def warm_up(art: Artifact, method: str | None, settings: object) -> None:
             "lookahead": [lookahead_rows(art, settings)] if method == "lookahead" else []}.get(method)
     if rows is None:  # prompt lookup
         rows = [k + 1 for k in range(1, settings.max_draft + 1)]
-    tlm.warm_up([graph_io.PREFILL, graph_io.DECODE, *(tlm.graph_for(r) for r in rows)])
+    tlm.warm_up([tlm.prefill_graph, graph_io.DECODE, *(tlm.graph_for(r) for r in rows)])
     if method == "draft":
         art.dlm.warm_up(art.dlm.graphs)
 

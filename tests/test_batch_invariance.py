@@ -80,7 +80,8 @@ def mismatches(art, seed: int, trials: int = 4) -> list[str]:
     g, rng, out = Graphs(art), np.random.default_rng(seed), []
     scores = sorted((t, name) for name, t in g.tokens.items() if name.startswith("score"))
     t_small, small = scores[len(scores) // 2]
-    others = [name for name, t in g.tokens.items() if t >= t_small and name != small]  # prefill, lookahead too
+    others = [name for name, t in g.tokens.items()  # prefill, lookahead too; PREFILL_LAST below
+              if t >= t_small and name != small and graph_io.logit_rows(name, t) == t]
     for trial in range(trials):
         n = t_small
         parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
@@ -91,6 +92,11 @@ def mismatches(art, seed: int, trials: int = 4) -> list[str]:
         mask = np.concatenate([np.repeat(visible[None], n, 0), sees], axis=1)
         outs = g.run(small, ids, positions, mask, cache)
         larger = {name: g.run(name, ids, positions, mask, cache) for name in others}
+        last = g.run(graph_io.PREFILL_LAST, ids, positions, mask, cache)  # its one row: prefill's last (filler)
+        every = larger[graph_io.PREFILL]
+        if not (np.array_equal(last[0][0, 0], every[0][0, -1])
+                and all(np.array_equal(x, y) for x, y in zip(last[1:], every[1:], strict=True))):
+            out.append(f"trial {trial}: prefill_last")
         for row in range(n):
             alone = _row_alone(g, outs, cache, visible, ids, positions, sees, row, rng)
             for what, other, r in [*((name, o, row) for name, o in larger.items()), ("decode", alone, 0)]:

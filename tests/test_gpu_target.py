@@ -104,7 +104,7 @@ def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both,
     host.tlm.rewind(0)
     alone = host.tlm.run(graph_io.DECODE, np.array([0]))  # token 0 at position 0, seeing only itself
     for g in art.tlm.graphs.values():
-        assert np.array_equal(g.logits()[0], np.repeat(alone, g.tokens, axis=0))
+        assert np.array_equal(g.logits()[0], np.repeat(alone, g.logit_rows, axis=0))
     again: list = []
     worker = threading.Thread(target=lambda: again.append((runtime.generate(art, prompt, **options),
                                                           threading.get_ident())))

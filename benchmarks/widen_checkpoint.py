@@ -30,6 +30,8 @@ def load_source(reference: str) -> tuple[LlamaForCausalLM, Path]:
     """The checkpoint's model in float32 (its weights read one tensor at a time) and its resolved folder."""
     model_dir = resolve_model_dir(reference, "source")
     config = read_config(model_dir, context_length=1)
+    if config.model_type != "llama":
+        raise ValueError(f"{reference}: widening supports Llama checkpoints, this one is {config.model_type!r}")
     config.dtype = "float32"
     model = LlamaForCausalLM(config).eval()
     tensors = checkpoint_tensors(model_dir)

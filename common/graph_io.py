@@ -151,6 +151,7 @@ ATTENTION_MASK = "attention_mask"
 LOGITS = "logits"
 NEXT_TOKEN = "next_token"
 LOGITS_CHECK = "logits_check"
+GREEDY_OUTPUTS = {NEXT_TOKEN: np.dtype(np.int64), LOGITS_CHECK: np.dtype(np.float32)}  # [B, logit rows] each
 
 
 def past_key(layer: int) -> str:

@@ -58,8 +58,9 @@ def bound_call(session: ort.InferenceSession, graph: str, dims: ModelDims, token
         binding.bind_ortvalue_input(name, value)
     rows = graph_io.logit_rows(graph, tokens)
     shapes = graph_io.output_shapes(dims, 1, tokens, rows)
-    greedy = {graph_io.NEXT_TOKEN: np.int64, graph_io.LOGITS_CHECK: np.float32}
-    shapes |= {name: (1, rows) for name in greedy if name in {o.name for o in session.get_outputs()}}
+    greedy = {name: dtype for name, dtype in graph_io.GREEDY_OUTPUTS.items()
+              if name in {o.name for o in session.get_outputs()}}
+    shapes |= {name: (1, rows) for name in greedy}
     for name, shape in shapes.items():
         dtype = greedy.get(name) or (np.float32 if name == graph_io.LOGITS else np.dtype(dims.kv_dtype).type)
         buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)

@@ -8,9 +8,9 @@ slices are bound to the graphs' past inputs, each graph's new KV is one device t
 bound likewise to its outputs, and `store` runs a small ONNX graph on the same provider: Gather the
 chosen rows, ScatterElements them into their slots, written in place (the output is bound to the
 cache itself; the compiler writes that graph beside the model's weights, common/graph_io.py's
-KV_STORE_FILE). Per call only token ids, positions and the mask go in and logits come out (for greedy decoding only
-each row's greedy token and finite check: compiler/greedy_outputs.py), each at a fixed device
-address, so that with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
+KV_STORE_FILE). Per call only token ids, positions and the mask go in and logits come out (for
+greedy decoding only each row's greedy token and finite check: compiler/greedy_outputs.py), each at
+a fixed device address, so that with `cuda_graph` each fixed-shape graph replays as one CUDA graph.
 The tests run this placement on the CPU provider (`device_cache=True`): it must give exactly what
 the host placement gives.
 """
@@ -95,8 +95,7 @@ class DevicePlacement(Placement):
                        for name, field in _INPUTS.items()}
         outputs = {io.LOGITS: zeros((1, rows, d.vocab_size), np.float32, self.target.device)}
         if g.greedy_outputs:  # each row's greedy token and finite check, so greedy decoding reads T numbers
-            outputs[io.NEXT_TOKEN] = zeros((1, rows), np.int64, self.target.device)
-            outputs[io.LOGITS_CHECK] = zeros((1, rows), np.float32, self.target.device)
+            outputs |= {name: zeros((1, rows), dtype, self.target.device) for name, dtype in io.GREEDY_OUTPUTS.items()}
         for name, value in g.on_device.items():
             g.binding.bind_ortvalue_input(name, value)
         for name, value in outputs.items():

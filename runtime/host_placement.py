@@ -57,8 +57,7 @@ class HostPlacement(Placement):
                       new_kv=np.zeros((len(self.cache), 1, d.n_kv_heads, tokens, d.head_dim), d.kv_dtype),
                       small={}, **self.inputs(tokens))
         if g.greedy_outputs:
-            g.small = {graph_io.NEXT_TOKEN: np.zeros((1, rows), np.int64),
-                       graph_io.LOGITS_CHECK: np.zeros((1, rows), np.float32)}
+            g.small = {name: np.zeros((1, rows), dtype) for name, dtype in graph_io.GREEDY_OUTPUTS.items()}
         for name, array in g.small.items():
             _bind(g.binding, name, array, output=True)
         _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)

@@ -82,6 +82,9 @@ class ModelRunner:
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
                            for name, g in entry.graphs.items()}
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
+        # every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py), so greedy
+        # decoding runs with fetch=False and reads `argmax()`, never the logits
+        self.greedy_outputs = all(g.greedy_outputs for g in self.graphs.values())
         self.prefill_graph = graph_io.PREFILL_LAST if graph_io.PREFILL_LAST in self.graphs else graph_io.PREFILL
         self.warm: set[str] = set()  # graphs run at least once (a first run allocates: warm_up)
 
@@ -172,12 +175,6 @@ class ModelRunner:
                 "token can be chosen from them (damaged weights, or values overflowing the weight format)"
             )
         return logits
-
-    @property
-    def greedy_outputs(self) -> bool:
-        """Whether every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py),
-        so that greedy decoding runs with fetch=False and reads `argmax()`, never the logits."""
-        return all(g.greedy_outputs for g in self.graphs.values())
 
     def argmax(self) -> np.ndarray:
         """The last call's rows' greedy tokens [n] (np.argmax of each row's logits, the first on ties)."""

@@ -104,7 +104,7 @@ class Placement:
 
     @staticmethod
     def has_greedy_outputs(session: ort.InferenceSession) -> bool:
-        return {graph_io.NEXT_TOKEN, graph_io.LOGITS_CHECK} <= {o.name for o in session.get_outputs()}
+        return set(graph_io.GREEDY_OUTPUTS) <= {o.name for o in session.get_outputs()}
 
     def inputs(self, tokens: int) -> dict[str, np.ndarray]:
         """A graph's host inputs: token ids, positions, mask."""

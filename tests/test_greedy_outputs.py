@@ -83,11 +83,11 @@ def no_logits(monkeypatch):
         monkeypatch.setattr(cls, "logits", refuse)
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("options", [  # fixed draft lengths: every method drafts, whatever the machine's timings
     dict(speculative=False),
     dict(speculative="draft", draft_length=3),
-    dict(speculative="prompt_lookup"),
-    dict(speculative="lookahead"),
+    dict(speculative="prompt_lookup", prompt_lookup=dict(adaptive=False)),
+    dict(speculative="lookahead", lookahead=dict(adaptive=False)),
 ])
 @pytest.mark.parametrize("device_cache", [True, False])
 def test_greedy_decoding_reads_the_graphs_tokens_never_the_logits(greedy_artifact, artifact_dir, options,

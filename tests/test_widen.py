@@ -177,7 +177,8 @@ def test_widen_refuses_bad_input(small):
         widen.widen(small, 0)
 
 
-def test_any_checkpoint_widens_to_a_bigger_cost_with_the_same_logits(small, held_out_ids, small_logits, tmp_path):
+def test_any_checkpoint_widens_to_a_bigger_cost_with_the_same_logits(small, held_out_ids, small_logits, tmp_path,
+                                                                      checkpoints):
     """benchmarks.widen_checkpoint (a real model at a 7B's cost: docs/gpu.md) from a checkpoint reference,
     stored in float32 or, for a power-of-two r, exactly in float16 (the source's weights are float16)."""
     from benchmarks.widen_checkpoint import build
@@ -192,4 +193,6 @@ def test_any_checkpoint_widens_to_a_bigger_cost_with_the_same_logits(small, held
         assert max_diff(wide, held_out_ids, small_logits) <= TOL
     with pytest.raises(ValueError, match="power-of-two r"):
         build(source, 3, tmp_path / "refused", "float16")
+    with pytest.raises(ValueError, match="supports Llama checkpoints, this one is 'qwen2'"):
+        build(str(checkpoints["qwen2"]), 2, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()

@@ -1,7 +1,8 @@
 """What one more row costs ONNX Runtime's CPU kernels: the floor under a scoring call's price.
 
     python -m benchmarks.matmul_rows [--layers 24] [--repeats 10] [--kinds "mxfp6 native,mxint8 native"]
-                                     [--columns 8192] [--rows 1,2,3,5,9] [--threads N] [--baseline OTHER.so]
+                                     [--columns 8192] [--depth 1024] [--rows 1,2,3,5,9] [--threads N]
+                                     [--baseline OTHER.so]
 
 A K+1-token scoring call reads the same weights as a decode step, so at the bandwidth floor it
 would cost one step. This times the kernels alone, on a stack of 1024 x 8192 weights as large as the
@@ -17,7 +18,9 @@ libraries in one process, alternated call batch by call batch, checks that they 
 and prints baseline / installed: on a noisy shared box, a fairer comparison than two runs. A small
 stack (`--layers 16 --columns 512 --threads 1`: 6 MB of MXFP6, within the L3 cache) times the kernels'
 arithmetic rather than memory. `--rows 16,64,128` times calls of many rows (prefill, a server's batched
-step), where the arithmetic sets the pace.
+step), where the arithmetic sets the pace; `--depth 4096 --columns 11008` (K and N) gives the stack
+Llama-2-7B's MLP shape. G_MACs_per_s against benchmarks.issue_rate's multiply-adds/s is the many-row
+path's fraction of the CPU's compute peak.
 """
 
 from __future__ import annotations
@@ -46,43 +49,43 @@ NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8,
 LIBRARY_KINDS = {*NATIVE, "float32 row"}  # run by mxspd's kernel library (RowMatMul: the float32 graphs' op)
 
 
-def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES) -> tuple[onnx.ModelProto, int]:
-    """`layers` independent K x n weights, each multiplied by the input, the same for any MXFP6 `layout`;
+def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES, k: int = K) -> tuple[onnx.ModelProto, int]:
+    """`layers` independent k x n weights, each multiplied by the input, the same for any MXFP6 `layout`;
     returns the model and its weight bytes."""
     rng = np.random.default_rng(0)
     nodes, inits = [], []
     for i in range(layers):
         if kind == "float32":
-            inits.append(numpy_helper.from_array((rng.standard_normal((K, n)) * 0.02).astype(np.float32), f"w{i}"))
+            inits.append(numpy_helper.from_array((rng.standard_normal((k, n)) * 0.02).astype(np.float32), f"w{i}"))
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"]))
         elif kind == "float32 row":
-            w = (rng.standard_normal((K, n)) * 0.02).astype(np.float32)
+            w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
             inits.append(numpy_helper.from_array(pack_panels(w), f"w{i}"))
             nodes.append(helper.make_node(ROW_MATMUL, ["x", f"w{i}"], [f"y{i}"], domain=DOMAIN, N=n))
         elif kind in NATIVE:
             wbits, abits = NATIVE[kind]
-            codes = (pack_columns(rng.integers(0, 64, size=(K, n), dtype=np.uint8), layout) if wbits == 6
-                     else pack_int8_columns(rng.integers(-127, 128, size=(K, n), dtype=np.int8)))
-            exps = rng.integers(115, 125, size=(n // GROUP, K // BLOCK, GROUP), dtype=np.uint8)
+            codes = (pack_columns(rng.integers(0, 64, size=(k, n), dtype=np.uint8), layout) if wbits == 6
+                     else pack_int8_columns(rng.integers(-127, 128, size=(k, n), dtype=np.int8)))
+            exps = rng.integers(115, 125, size=(n // GROUP, k // BLOCK, GROUP), dtype=np.uint8)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
-            nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=K, N=n,
+            nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=k, N=n,
                                           activation_bits=abits, weight_bits=wbits,
                                           **({"layout": layout} if wbits == 6 else {})))
         else:
-            codes = rng.integers(0, 256, size=(n, K // BLOCK, BLOCK), dtype=np.uint8)
-            scales = (rng.random((n, K // BLOCK)) * 0.01 + 0.001).astype(np.float32)
+            codes = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK), dtype=np.uint8)
+            scales = (rng.random((n, k // BLOCK)) * 0.01 + 0.001).astype(np.float32)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(scales, f"s{i}")]
             nodes.append(helper.make_node("MatMulNBits", ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain="com.microsoft",
-                                          K=K, N=n, bits=8, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL))
+                                          K=k, N=n, bits=8, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL))
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(layers)]
-    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               outputs, inits)
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     if kind in NATIVE:
-        per_weight = (K // BLOCK) * (n // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
+        per_weight = (k // BLOCK) * (n // GROUP) * (BLOCK_BYTES[NATIVE[kind][0]] + GROUP)
     else:
-        per_weight = K * n * 4 if kind.startswith("float32") else K * n + (K // BLOCK) * n * 4
+        per_weight = k * n * 4 if kind.startswith("float32") else k * n + (k // BLOCK) * n * 4
     return model, layers * per_weight
 
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--columns", type=int, default=N, help="N of each weight (a multiple of 16)")
+    ap.add_argument("--depth", type=int, default=K, help="K of each weight (a multiple of 32)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, help="intra-op threads (default: every core)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--rows must be positive")
     if args.columns <= 0 or args.columns % GROUP:
         ap.error(f"--columns must be a positive multiple of {GROUP}")
+    if args.depth <= 0 or args.depth % BLOCK:
+        ap.error(f"--depth must be a positive multiple of {BLOCK}")
     if args.baseline is not None and not args.baseline.is_file():
         ap.error(f"--baseline {args.baseline}: no such file")
     if set(kinds) & LIBRARY_KINDS:
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             sessions = {}
             for name, lib in libraries.items():  # each library's weights in the MXFP6 layout it prefers
                 layout = preferred_mx_layout(lib) if kind in NATIVE else TRIPLES
-                model, nbytes = stack(kind, args.layers, args.columns, layout)
+                model, nbytes = stack(kind, args.layers, args.columns, layout, args.depth)
                 path = Path(tmp) / f"{kind.replace(' ', '_')}_{name}.onnx"
                 onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")
                 sessions[name] = _session(path, args.threads, lib, kind)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             ms: dict[str, dict[int, float]] = {name: {} for name in sessions}
             calls = max(1, int(2e8 / nbytes))  # per timing: enough to dwarf a call's own overhead
             for m in rows:
-                x = rng.standard_normal((m, K)).astype(np.float32)
+                x = rng.standard_normal((m, args.depth)).astype(np.float32)
                 outs = {name: s.run(None, {"x": x}) for name, s in sessions.items()}  # warm-up, and the values
                 if "baseline" in outs and any(not np.array_equal(a, b, equal_nan=True)
                                               for a, b in zip(outs["installed"], outs["baseline"], strict=True)):
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             first = rows[0]
             out[kind] = {"weights_mb": round(nbytes / 1e6, 1),
                          f"GB_per_s_at_{first}_rows": round(nbytes / mine[first] / 1e6, 1),
-                         f"G_MACs_per_s_at_{rows[-1]}_rows": round(args.layers * K * args.columns * rows[-1]
+                         f"G_MACs_per_s_at_{rows[-1]}_rows": round(args.layers * args.depth * args.columns * rows[-1]
                                                                    / mine[rows[-1]] / 1e6, 1),
                          "ms": {m: round(v, 3) for m, v in mine.items()},
                          f"over_{first}_rows": {m: round(v / mine[first], 3) for m, v in mine.items()}}

@@ -510,37 +510,33 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
 }
 
 // ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
-// A task takes two column groups, decodes all their blocks once into int16 (2 KiB per block, kept in L2),
-// then passes over them for every kGemmRows rows: per chunk 4 loads and 2 broadcasts per row feed 4 dot
-// products per row, where the one-row kernel above decodes each chunk again in every pass. Each row's
-// integer block sums, and the float operations after them, are the same as on the other paths: the
+// A task takes two column groups and walks K in tiles of kTileBlocks blocks: it decodes a tile's blocks
+// once into int16 (16 KiB, which stays in L1 while every row passes over it), then passes over them
+// for every kGemmRows rows, each pass's float accumulators carried from tile to tile in y. (Decoding
+// all of K at once left 256-688 KiB to stream from L2 in every pass: the tiles made the path 1.26-1.36x
+// faster at 128 rows of Llama-2-7B's MLP shapes on an Intel Xeon, docs/benchmarks.md.) Per chunk: 4
+// weight loads and 2 broadcasts per row feed 4 dot products per row. Each row's integer block sums and
+// the float operations after them, block by block in order, are the same as on the other paths: the
 // same bits whatever the path (batch invariance).
 
-constexpr int kGemmRows = 6;  // rows per pass: 6 x 2 groups of integer sums and float accumulators
-// Calls with at least this many rows take this path: where it was faster on an Intel Xeon (MXFP6 1.05x at
-// 24 rows, 1.22x at 64; MXINT8, whose chunks cost the one-row kernel only a widening, 1.08x at 64 and
-// slower below 48). Its rate there, ~0.8 int16 dot-product instructions per cycle, is near the one such
-// instruction a cycle that core issues: int16 activations cap a CPU's many-row rate (docs/benchmarks.md).
+constexpr int kGemmRows = 6;     // rows per pass: 6 x 2 groups of integer sums and float accumulators
+constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB per block for a group pair
+// Calls with at least this many rows take this path: where it was faster on an Intel Xeon at Llama-2-7B's
+// shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
+// only a widening, 0.99-1.16x at 32 rows, slower at 16).
 template <int WBits>
-constexpr int kGemmMinRows = WBits == 8 ? 48 : 24;
+constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
 constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair: [w0 g0, w0 g1, w1 g0, w1 g1] x 32 int16
 
-// A thread's decoded group pair, [KB, 8 chunks, kPairShorts], 64-byte aligned (reused call after call).
-struct DecodedPair {
-  std::vector<int16_t> storage;
-  int16_t* get(int64_t shorts) {
-    storage.resize(shorts + 32);
-    const auto at = reinterpret_cast<uintptr_t>(storage.data());
-    return reinterpret_cast<int16_t*>((at + 63) & ~uintptr_t{63});
-  }
-};
-
+// Blocks b0 .. b0 + count - 1 of groups g0 (and g0 + 1), decoded: the codes [count, 8 chunks, kPairShorts]
+// and the block scales [count, 2 groups, 16 columns] (found once here, not again in every pass).
 template <int WBits>
 __attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>& p, int64_t g0, int groups,
-                                                           int16_t* out) {
-  for (int64_t b = 0; b < p.kb; ++b)
+                                                           int64_t b0, int64_t count, int16_t* out, float* ws) {
+  for (int64_t b = 0; b < count; ++b)
     for (int h = 0; h < groups; ++h) {
-      const uint8_t* blk = p.block(g0 + h, b);
+      _mm512_store_ps(ws + (2 * b + h) * kGroup, scales_avx512<WBits>(p.exponents(g0 + h, b0 + b)));
+      const uint8_t* blk = p.block(g0 + h, b0 + b);
       prefetch_ahead<WBits, 4096>(blk);
       for (int q = 0; q < kChunks; ++q) {
         __m512i w0, w1;
@@ -552,18 +548,26 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>
     }
 }
 
+// Rows row0 .. row0 + Rows - 1 over blocks b0 .. b0 + count - 1 (decoded in dec and ws), their
+// accumulators read from y unless b0 is the first block, written back to y.
 template <int WBits, int Rows, int Groups>
 __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& p, int64_t g0, const int16_t* dec,
-                                                         int64_t row0) {
+                                                         const float* ws, int64_t row0, int64_t b0, int64_t count) {
   __m512 acc[Rows][Groups];
-  for (int r = 0; r < Rows; ++r)
-    for (int h = 0; h < Groups; ++h) acc[r][h] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < p.kb; ++b) {
+  __mmask16 valid[Groups];
+  for (int h = 0; h < Groups; ++h) {
+    valid[h] = static_cast<__mmask16>((1u << p.columns(g0 + h)) - 1);
+    for (int r = 0; r < Rows; ++r)
+      acc[r][h] = b0 == 0 ? _mm512_setzero_ps()
+                          : _mm512_maskz_loadu_ps(valid[h], p.y + (row0 + r) * p.n + (g0 + h) * kGroup);
+  }
+  for (int64_t b = b0; b < b0 + count; ++b) {
     const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
-    const int16_t* d = dec + b * kChunks * kPairShorts;
+    const int16_t* d = dec + (b - b0) * kChunks * kPairShorts;
     __m512i sum[Rows][Groups];
     for (int r = 0; r < Rows; ++r)
       for (int h = 0; h < Groups; ++h) sum[r][h] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int q = 0; q < kChunks; ++q) {
       __m512i w0[Groups], w1[Groups];
       for (int h = 0; h < Groups; ++h) {
@@ -574,33 +578,32 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& 
         int32_t x0, x1;
         std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
         std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
-        const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+        const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
         for (int h = 0; h < Groups; ++h)
-          sum[r][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][h], w0[h], b0), w1[h], b1);
+          sum[r][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][h], w0[h], v0), w1[h], v1);
       }
     }
     const float* xs = p.x_scale(row0, b);
     for (int h = 0; h < Groups; ++h) {
-      const __m512 ws = scales_avx512<WBits>(p.exponents(g0 + h, b));
+      const __m512 scale = _mm512_load_ps(ws + (2 * (b - b0) + h) * kGroup);
       for (int r = 0; r < Rows; ++r)
-        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[r])),
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])),
                                     acc[r][h]);
     }
   }
-  for (int h = 0; h < Groups; ++h) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g0 + h)) - 1);
-    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + (g0 + h) * kGroup, valid, acc[r][h]);
-  }
+  for (int h = 0; h < Groups; ++h)
+    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + (g0 + h) * kGroup, valid[h], acc[r][h]);
 }
 
 template <int WBits, int Groups, size_t... Rows>
 constexpr auto gemm_by_rows(std::index_sequence<Rows...>) {
-  using Pass = void (*)(const Problem<WBits>&, int64_t, const int16_t*, int64_t);
+  using Pass = void (*)(const Problem<WBits>&, int64_t, const int16_t*, const float*, int64_t, int64_t, int64_t);
   return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, static_cast<int>(Rows + 1), Groups>...};
 }
 
 // One task of the many-row path: column groups 2i and 2i + 1 (the last alone where their count is odd),
-// decoded once, then every row in passes of up to kGemmRows, the rows split evenly.
+// tile by tile of K: the tile decoded once, then every row in passes of up to kGemmRows, the rows split
+// evenly.
 template <int WBits>
 void gemm_tile(void* user, size_t index) {
   const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
@@ -608,14 +611,17 @@ void gemm_tile(void* user, size_t index) {
   static constexpr auto one = gemm_by_rows<WBits, 1>(std::make_index_sequence<kGemmRows>());
   const int64_t g0 = 2 * static_cast<int64_t>(index);
   const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
-  thread_local DecodedPair decoded;
-  int16_t* dec = decoded.get(p.kb * kChunks * kPairShorts);
-  decode_pair(p, g0, groups, dec);
+  alignas(64) int16_t dec[kTileBlocks * kChunks * kPairShorts];
+  alignas(64) float ws[kTileBlocks * 2 * kGroup];
   const int64_t passes = (p.m + kGemmRows - 1) / kGemmRows;
-  for (int64_t i = 0, row = 0; i < passes; ++i) {
-    const int64_t rows = (p.m - row) / (passes - i);
-    (groups == 2 ? two : one)[rows - 1](p, g0, dec, row);
-    row += rows;
+  for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks) {
+    const int64_t count = std::min<int64_t>(kTileBlocks, p.kb - b0);
+    decode_pair(p, g0, groups, b0, count, dec, ws);
+    for (int64_t i = 0, row = 0; i < passes; ++i) {
+      const int64_t rows = (p.m - row) / (passes - i);
+      (groups == 2 ? two : one)[rows - 1](p, g0, dec, ws, row, b0, count);
+      row += rows;
+    }
   }
 }
 

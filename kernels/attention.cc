@@ -66,6 +66,7 @@ struct Problem {
   int64_t b, hq, hkv, t, c, d, mask_heads;
   float scale;
   bool tokens_major;  // y is [B, T, Hq, D], not [B, Hq, T, D]
+  const float* key_range = nullptr;  // [B, Hkv, C + T]: each key's value range (value_range), or none
 
   const float* key(int64_t batch, int64_t head, int64_t j) const {
     return j < c ? past_key + ((batch * hkv + head) * c + j) * d : new_key + ((batch * hkv + head) * t + j - c) * d;
@@ -297,31 +298,36 @@ __attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float
 __attribute__((target(MXSPD_AVX512))) void scan_values_avx512(const Visible& v, float* largest, bool* bad) {
   if (v.p.d % 16) return scan_values_avx2(v, largest, bad);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  __m512 top = _mm512_setzero_ps();
+  __m512 top[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   __mmask16 nonfinite = 0;
   for (size_t n = 0; n < v.n; ++n) {
     const float* x = v.p.value(v.batch, v.head, v.keys[n]);
     if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
-    for (int64_t i = 0; i < v.p.d; i += 16) {
-      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
-      nonfinite |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // Inf, or NaN (unordered)
-      top = _mm512_max_ps(top, a);
-    }
+    for (int64_t i = 0; i < v.p.d; i += 64)  // four maxima chains (a max is exact: any order, the same)
+      for (int k = 0; k < 4 && i + 16 * k < v.p.d; ++k) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i + 16 * k));
+        nonfinite |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // Inf, or NaN (unordered)
+        top[k] = _mm512_max_ps(top[k], a);
+      }
   }
-  *largest = std::max(*largest, _mm512_reduce_max_ps(top));
+  const __m512 all = _mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3]));
+  *largest = std::max(*largest, _mm512_reduce_max_ps(all));
   *bad = *bad || nonfinite != 0;
 }
 
-// Four keys' dot products at once, each in one 16-lane register (finish_dot's order).
-__attribute__((target(MXSPD_AVX512))) inline void dot4_avx512(const float* x, const float* const y[4], int64_t d,
-                                                              float out[4]) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+// Eight keys' dot products at once, each in one 16-lane register (finish_dot's order): eight fma chains,
+// so that each fma's latency is hidden behind the other keys' (four left half of the issue slots idle).
+constexpr int kDotKeys = 8;
+__attribute__((target(MXSPD_AVX512))) inline void dot8_avx512(const float* x, const float* const y[kDotKeys],
+                                                              int64_t d, float out[kDotKeys]) {
+  __m512 acc[kDotKeys];
+  for (auto& a : acc) a = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
     const __m512 xi = _mm512_loadu_ps(x + i);
-    for (int k = 0; k < 4; ++k) acc[k] = _mm512_fmadd_ps(xi, _mm512_loadu_ps(y[k] + i), acc[k]);
+    for (int k = 0; k < kDotKeys; ++k) acc[k] = _mm512_fmadd_ps(xi, _mm512_loadu_ps(y[k] + i), acc[k]);
   }
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < kDotKeys; ++k) {
     if (i == d) {
       out[k] = reduce16(_mm512_castps512_ps256(acc[k]), _mm512_extractf32x8_ps(acc[k], 1));
       continue;
@@ -334,13 +340,13 @@ __attribute__((target(MXSPD_AVX512))) inline void dot4_avx512(const float* x, co
 
 __attribute__((target(MXSPD_AVX512))) void scores_avx512(const Visible& v, const float* q, float* score) {
   size_t n = 0;
-  for (; n + 4 <= v.n; n += 4) {
-    const float* keys[4];
-    for (int k = 0; k < 4; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
-    for (size_t k = n + kAhead; k < std::min(n + kAhead + 4, v.n); ++k)
+  for (; n + kDotKeys <= v.n; n += kDotKeys) {
+    const float* keys[kDotKeys];
+    for (int k = 0; k < kDotKeys; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + kDotKeys, v.n); ++k)
       prefetch_row(v.p.key(v.batch, v.head, v.keys[k]), v.p.d);
-    dot4_avx512(q, keys, v.p.d, score + n);
-    for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
+    dot8_avx512(q, keys, v.p.d, score + n);
+    for (int k = 0; k < kDotKeys; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
   }
   for (; n < v.n; ++n)
     score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
@@ -388,6 +394,20 @@ void scan_values(const Visible& v, float* largest, bool* bad) {
   if (kHasAvx2) return scan_values_avx2(v, largest, bad);
 #endif
   scan_values_scalar(v, largest, bad);
+}
+
+// One key's value range: its largest |v[i]|, or infinity where it holds an Inf or NaN (a row that sees
+// it is then NaN). The largest over a row's visible keys is the largest |v| scan_values finds.
+float value_range(const float* v, int64_t d) {
+  float largest = 0.0f;
+  bool bad = false;
+#ifdef MXSPD_X86
+  if (kHasAvx2)
+    scan_avx2(v, d, &largest, &bad);
+  else
+#endif
+    scan_scalar(v, d, &largest, &bad);
+  return bad ? std::numeric_limits<float>::infinity() : largest;
 }
 
 void scores(const Visible& v, const float* q, float* score) {
@@ -519,6 +539,29 @@ int64_t group(const Problem& p) {
   return p.mask_heads == 1 && (p.t >= 4 || p.b * p.hkv * p.t >= kCores) ? p.hq / p.hkv : 1;
 }
 
+// Calls of at least this many rows (a prefill chunk, a scoring call) find each key's value range once
+// (range_task, for the keys some row sees), where each row would scan all its visible values again: a
+// row then reads one float per key, not D. (128 rows at 512 keys: the rows' scans read D = 128 floats per
+// row, head and key, as much as their weighted sums.)
+constexpr int64_t kRangeRows = 4;
+
+struct Ranges {
+  const Problem* p;
+  const uint8_t* seen;  // [B, C + T]: some row of the batch sees the key
+  float* out;           // [B, Hkv, C + T]
+};
+
+// One task: (batch, KV head) -> the value ranges of the keys its rows see.
+void range_task(void* user, size_t index) {
+  const Ranges& r = *static_cast<const Ranges*>(user);
+  const Problem& p = *r.p;
+  const int64_t keys = p.c + p.t, bb = static_cast<int64_t>(index) / p.hkv, kv = static_cast<int64_t>(index) % p.hkv;
+  const uint8_t* seen = r.seen + bb * keys;
+  float* out = r.out + static_cast<int64_t>(index) * keys;
+  for (int64_t j = 0; j < keys; ++j)
+    if (seen[j]) out[j] = value_range(p.value(bb, kv, j), p.d);
+}
+
 // One task: (batch, group of query heads, row) -> their output vectors.
 void task(void* user, size_t index) {
   const Problem& p = *static_cast<const Problem*>(user);
@@ -534,7 +577,13 @@ void task(void* user, size_t index) {
   const Visible v{p, bb, kv, visible.data(), visible.size(), mask};
   float largest = 0.0f;
   bool values_bad = false;  // an Inf or NaN value: the output is NaN
-  scan_values(v, &largest, &values_bad);
+  if (p.key_range) {
+    const float* range = p.key_range + (bb * p.hkv + kv) * keys;
+    for (const int64_t j : visible) largest = std::max(largest, range[j]);
+    values_bad = std::isinf(largest);
+  } else {
+    scan_values(v, &largest, &values_bad);
+  }
   score.resize(visible.size());
   prob.resize(visible.size());
   for (int64_t h = h0; h < h0 + g; ++h) {
@@ -598,6 +647,22 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
   if (b * hq * t * d == 0) return nullptr;
   Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1], kernel.scale,
             kernel.tokens_major};
+  thread_local std::vector<uint8_t> seen;  // reused call after call by the thread that runs the op
+  thread_local std::vector<float> ranges;
+  if (t >= kRangeRows) {
+    const int64_t keys = c + t, rows = p.mask_heads * t;
+    seen.assign(b * keys, 0);
+    ranges.resize(b * hkv * keys);
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* mask = p.mask + (bb * rows + r) * keys;
+        uint8_t* any = seen.data() + bb * keys;
+        for (int64_t j = 0; j < keys; ++j) any[j] |= mask[j] > kHidden;
+      }
+    Ranges work{&p, seen.data(), ranges.data()};
+    if (OrtStatus* s = g_api.parallel_for(ctx, range_task, static_cast<size_t>(b * hkv), &work)) return s;
+    p.key_range = ranges.data();
+  }
   return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
 }
 

@@ -124,6 +124,31 @@ def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
         run_attention([inputs[0][:, :3], *inputs[1:]])
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_row_of_a_many_row_call_gets_the_bits_it_gets_alone(d):
+    """Calls of 4 rows or more find each key's value range once per call (the largest |v| over a row's
+    visible keys sets the fixed-point step of its weighted sums); a row alone scans its own keys. The
+    ranges must cover exactly the keys a row sees: a key no row sees holds the largest values (one
+    counted by mistake changes every row's step and bits), a key only row 3 sees the next largest, and
+    an Inf and a NaN value sit in keys that rows 5 and 6 alone see (those rows are NaN, no other)."""
+    rng = np.random.default_rng(7)
+    t, c = 9, 40
+    q, pk, pv, nk, nv, mask = attention_inputs(rng, t=t, c=c, d=d, visible=0.5)
+    mask[..., c:] = MIN  # rows see cache slots only: each can run alone, with its own hidden new key
+    mask[..., :4] = MIN
+    pv[0, :, 0] *= 1000.0  # slot 0: no row sees it
+    pv[0, :, 1] *= 100.0  # slot 1: row 3 alone
+    mask[0, 0, 3, 1] = 0.0
+    pv[0, 0, 2, 5], mask[0, 0, 5, 2] = np.inf, 0.0  # slot 2: row 5 alone, KV head 0
+    pv[0, 1, 3, 7], mask[0, 0, 6, 3] = np.nan, 0.0  # slot 3: row 6 alone, KV head 1
+    together = run_attention([q, pk, pv, nk, nv, mask])
+    for r in range(t):
+        alone = run_attention([q[:, :, [r]], pk, pv, nk[:, :, [r]], nv[:, :, [r]], mask[:, :, [r], : c + 1]])
+        np.testing.assert_array_equal(alone[:, :, 0], together[:, :, r])
+    assert np.isnan(together[0, :2, 5]).all() and np.isnan(together[0, 2:, 6]).all()
+    assert not np.isnan(np.delete(together, [5, 6], axis=2)).any()
+
+
 def test_portable_paths_give_the_vector_paths_bits(tmp_path):
     """MXSPD_KERNELS_PORTABLE=1 (read when the library loads) forces the scalar loops on any CPU, and
     MXSPD_KERNELS_AVX2=1 the AVX2 ones on an AVX-512 CPU (without AVX-512 VNNI the first two runs take

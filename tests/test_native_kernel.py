@@ -329,13 +329,20 @@ def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(mo
 def test_matmul_rows_compares_two_builds_on_the_same_values(capsys):
     """benchmarks.matmul_rows --baseline: both libraries in one process, their values checked equal."""
     from benchmarks.matmul_rows import main as matmul_rows
+    from benchmarks.matmul_rows import stack
 
     common = ["--kinds", "mxfp6 native,mxint8 native", "--layers", "1", "--repeats", "1", "--threads", "1"]
     matmul_rows([*common, "--columns", "32", "--baseline", str(kernels.library_path())])
     report = json.loads(capsys.readouterr().out)
     for kind in ("mxfp6 native", "mxint8 native"):
         assert set(report[kind]["speedup_over_baseline"]) == set(report[kind]["ms"]) == {"1", "2", "3", "5", "9"}
+    # --depth: each weight K x N (a real model's shape); the input follows it, or the session would fail
+    matmul_rows([*common, "--columns", "32", "--depth", "96"])
+    assert set(json.loads(capsys.readouterr().out)["mxfp6 native"]["ms"]) == {"1", "2", "3", "5", "9"}
+    node = stack("mxfp6 native", 1, 32, k=96)[0].graph.node[0]
+    assert {a.name: a.i for a in node.attribute}["K"] == 96
     for bad, message in ((["--columns", "100"], "--columns must be a positive multiple of 16"),
+                         (["--depth", "100"], "--depth must be a positive multiple of 32"),
                          (["--baseline", "/nonexistent.so"], "no such file")):
         with pytest.raises(SystemExit):
             matmul_rows([*common, *bad])

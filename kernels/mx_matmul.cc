@@ -30,7 +30,9 @@
 // 16 dot products, one conversion, one scale product and one fma per 16 columns and block.
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
-// AVX2 (up to 6 rows per pass), portable; all three give the same bits (tests/test_native_kernel.py).
+// AVX2 (up to 6 rows per pass), portable; from 16 rows (MXINT8: 8 on AVX2, 32 on AVX-512) the AVX-512
+// and AVX2 paths decode each weight once per call and pass over it for every row (int8 activations with
+// MXFP6 weights: vpmaddubsw on AVX2). All give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -48,6 +50,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -134,6 +137,7 @@ int weight_at(const uint8_t* block, int q, int o, Layout layout) {
 struct Activations {
   std::vector<int16_t> q;    // [KB, M, 32]: a block's rows side by side, at fixed offsets from one pointer
   std::vector<float> scale;  // [KB, M]
+  std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path)
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
     q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
@@ -151,6 +155,12 @@ struct Activations {
 #endif
         block_scalar(a + r * k + k0, n, out, sc, qmax);
       }
+  }
+
+  // biased = q + 128: int8 activations (|q| <= 127) as the unsigned operand of vpmaddubsw.
+  void bias() {
+    biased.resize(q.size());
+    for (size_t i = 0; i < q.size(); ++i) biased[i] = static_cast<uint8_t>(q[i] + 128);
   }
 
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
@@ -206,6 +216,7 @@ template <int WBits>
 struct Problem {
   const int16_t* xq;  // [KB, M, 32]
   const float* xs;    // [KB, M]
+  const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 many-row path reads them
   const uint8_t* w;   // [G, KB, kGroupBlockBytes<WBits>]
   const uint8_t* s;   // [G, KB, 16]
   float* y;           // [M, N]
@@ -214,6 +225,7 @@ struct Problem {
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
+  const uint8_t* x_biased(int64_t row, int64_t b) const { return xu + (b * m + row) * kBlock; }
   const uint8_t* block(int64_t g, int64_t b) const { return w + (g * kb + b) * kGroupBlockBytes<WBits>; }
   const uint8_t* exponents(int64_t g, int64_t b) const { return s + (g * kb + b) * kGroup; }
   int columns(int64_t g) const { return static_cast<int>(std::min<int64_t>(kGroup, n - g * kGroup)); }
@@ -427,6 +439,189 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
     _mm256_store_ps(out + 8, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
     std::memcpy(p.y + (row0 + r) * p.n + g * kGroup, out, p.columns(g) * sizeof(float));
   }
+}
+
+// ---- AVX2, many rows (prefill, a server's batched step): each weight decoded once per call ---------
+// As the AVX-512 path below: a task takes a column group and walks K in tiles of kTileBlocks2 blocks,
+// decoded once (kept in L1) with their block scales, then passes over the tile for every few rows. The
+// float accumulators live in a per-thread row buffer (16 ymm registers hold a pass's integer sums, not
+// its float sums too); each row's block sums and its fma chain over the blocks are the one-row path's,
+// so the bits are the same. (Before, every pass of 6 rows decoded the whole of K again: a 64-row call
+// decoded each weight 11 times.)
+// Two integer arithmetics, the same sums:
+//   int16 activations: the tile's codes widened to int16, one vpmaddwd (16 multiply-adds) and one add
+//     per 16 columns and 2 codes of a row;
+//   int8 activations with MXFP6 weights: the row's bytes biased to unsigned (x + 128), one vpmaddubsw
+//     (32), one vpmaddwd by ones and one add per 8 columns and 4 codes, less 128 times each column's
+//     code sum per block (found once per tile). |w| <= 60, so a pair of products stays below 2^15 (no
+//     saturation) and the sum is exact. 1.35-1.45x the int16 loop's rate on a Zen 3 (MXINT8's codes,
+//     up to 127, could saturate: they keep the int16 loop).
+
+constexpr int kTileBlocks2 = 8;   // K blocks decoded at a time: 1 KiB of int16 (or 512 B of int8) per block
+constexpr int kChunkShorts = 64;  // a chunk as int16: [pair 2q, pair 2q + 1] x [the two ColumnOrder halves] x 16
+constexpr int kChunkBytes8 = 64;  // a chunk as int8: [the two ColumnOrder halves] x 8 columns x 4 codes
+// Calls with at least this many rows take this path: where it was faster on a Zen 3 at Llama-2-7B's MLP
+// shape (MXFP6 1.06-1.11x at 16 rows, 0.91-0.95x at 8; MXINT8, whose one-row kernel's chunks cost it more
+// passes of loads, 1.14-1.15x at 8 rows; docs/benchmarks.md).
+template <int WBits>
+constexpr int kGemmMinRows2 = WBits == 8 ? 8 : 16;
+
+// The integer step of a tile: int16 (Int8 false) or biased int8 activations (MXFP6 weights only).
+template <bool Int8>
+struct Avx2Tile {
+  static constexpr int kRows = Int8 ? 4 : 3;  // rows per pass: their integer sums, the chunk's weights and
+                                              // the broadcasts fill the 16 registers without spills
+  alignas(32) std::conditional_t<Int8, int8_t, int16_t> codes[kTileBlocks2 * kChunks * kChunkShorts];
+  alignas(32) float ws[kTileBlocks2 * kGroup];      // block scales, ColumnOrder
+  alignas(32) int32_t bias[kTileBlocks2 * kGroup];  // Int8: 128 x each column's code sum, ColumnOrder
+};
+
+// Blocks b0 .. b0 + count - 1 of group g, decoded into t.
+template <int WBits, bool Planes, bool Int8>
+__attribute__((target("avx2,fma"))) void decode_group_avx2(const Problem<WBits>& p, int64_t g, int64_t b0,
+                                                           int64_t count, Avx2Tile<Int8>& t) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < count; ++b) {
+    __m256 scale[2];
+    scales_avx2<WBits>(p.exponents(g, b0 + b), scale);
+    _mm256_store_ps(t.ws + b * kGroup, scale[0]);
+    _mm256_store_ps(t.ws + b * kGroup + 8, scale[1]);
+    const uint8_t* blk = p.block(g, b0 + b);
+    prefetch_ahead<WBits, 1024>(blk);
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+    for (int q2 = 0; q2 < kChunks; q2 += 2) {
+      __m256i w8[4];
+      two_chunks_avx2<WBits, Planes>(blk, q2, w8);
+      for (int c = 0; c < 2; ++c) {  // chunk q2 + c: code pairs in w8[2c] and w8[2c + 1]
+        if constexpr (Int8) {  // each column's 4 codes in one 32-bit lane, in ColumnOrder
+          const __m256i h[2] = {_mm256_unpacklo_epi16(w8[2 * c], w8[2 * c + 1]),
+                                _mm256_unpackhi_epi16(w8[2 * c], w8[2 * c + 1])};
+          int8_t* at = t.codes + (b * kChunks + q2 + c) * kChunkBytes8;
+          for (int i = 0; i < 2; ++i) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(at + 32 * i), h[i]);
+            sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, h[i]), ones16));
+          }
+        } else {
+          for (int i = 0; i < 2; ++i) {
+            __m256i w16[2];
+            widen_avx2(w8[2 * c + i], w16);
+            int16_t* at = t.codes + (b * kChunks + q2 + c) * kChunkShorts + 32 * i;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(at), w16[0]);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(at + 16), w16[1]);
+          }
+        }
+      }
+    }
+    if constexpr (Int8)
+      for (int i = 0; i < 2; ++i)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t.bias + b * kGroup + 8 * i), _mm256_slli_epi32(sums[i], 7));
+  }
+}
+
+// Rows row0 .. row0 + Rows - 1 over the tile's blocks b0 .. b0 + count - 1, their float accumulators in
+// acc ([rows of the call, 16], ColumnOrder).
+template <int WBits, bool Int8, int Rows>
+__attribute__((target("avx2,fma"))) void gemm_pass_avx2(const Problem<WBits>& p, const Avx2Tile<Int8>& t, float* acc,
+                                                        int64_t row0, int64_t b0, int64_t count) {
+  for (int64_t b = b0; b < b0 + count; ++b) {
+    __m256i sum[Rows][2];
+    for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    if constexpr (Int8) {
+      const uint8_t* xb = p.x_biased(row0, b);  // row r's 32 biased activations at xb + 32 r
+      const int8_t* d = t.codes + (b - b0) * kChunks * kChunkBytes8;
+      const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 1  // unrolled, GCC hoisted every chunk's products and spilled them
+      for (int q = 0; q < kChunks; ++q) {
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8 + 32));
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+          const __m256i v = _mm256_set1_epi32(x4);
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w0), ones));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w1), ones));
+        }
+      }
+      const __m256i* bias = reinterpret_cast<const __m256i*>(t.bias + (b - b0) * kGroup);
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_sub_epi32(sum[r][h], _mm256_load_si256(bias + h));
+    } else {
+      const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
+      const int16_t* d = t.codes + (b - b0) * kChunks * kChunkShorts;
+#pragma GCC unroll 1
+      for (int q = 0; q < kChunks; ++q) {
+        const __m256i* w = reinterpret_cast<const __m256i*>(d + q * kChunkShorts);
+        const __m256i w00 = _mm256_load_si256(w), w01 = _mm256_load_si256(w + 1);
+        const __m256i w10 = _mm256_load_si256(w + 2), w11 = _mm256_load_si256(w + 3);
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
+          std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
+          const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(w00, v0));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(w01, v0));
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(w10, v1));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(w11, v1));
+        }
+      }
+    }
+    const float* xs = p.x_scale(row0, b);
+    const __m256 s0 = _mm256_load_ps(t.ws + (b - b0) * kGroup), s1 = _mm256_load_ps(t.ws + (b - b0) * kGroup + 8);
+    for (int r = 0; r < Rows; ++r) {
+      float* a = acc + (row0 + r) * kGroup;
+      const __m256 x = _mm256_set1_ps(xs[r]);
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][0]), _mm256_mul_ps(s0, x), _mm256_loadu_ps(a)));
+      _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][1]), _mm256_mul_ps(s1, x), _mm256_loadu_ps(a + 8)));
+    }
+  }
+}
+
+template <int WBits, bool Int8, size_t... Rows>
+constexpr auto gemm_by_rows_avx2(std::index_sequence<Rows...>) {
+  using Pass = void (*)(const Problem<WBits>&, const Avx2Tile<Int8>&, float*, int64_t, int64_t, int64_t);
+  return std::array<Pass, sizeof...(Rows)>{gemm_pass_avx2<WBits, Int8, static_cast<int>(Rows + 1)>...};
+}
+
+// One task of the AVX2 many-row path: column group `index`, tile by tile of K, every row in passes of up
+// to Avx2Tile::kRows (the rows split evenly), then the accumulators back from ColumnOrder into y.
+template <int WBits, bool Planes, bool Int8>
+__attribute__((target("avx2,fma"))) void gemm_group_avx2(void* user, size_t index) {
+  const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
+  constexpr int kRows = Avx2Tile<Int8>::kRows;
+  static constexpr auto passes_by_rows = gemm_by_rows_avx2<WBits, Int8>(std::make_index_sequence<kRows>());
+  const auto g = static_cast<int64_t>(index);
+  thread_local Avx2Tile<Int8> tile;
+  thread_local std::vector<float> acc;  // [rows, 16]: reused call after call
+  acc.assign(p.m * kGroup, 0.0f);
+  const int64_t passes = (p.m + kRows - 1) / kRows;
+  for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks2) {
+    const int64_t count = std::min<int64_t>(kTileBlocks2, p.kb - b0);
+    decode_group_avx2<WBits, Planes, Int8>(p, g, b0, count, tile);
+    for (int64_t i = 0, row = 0; i < passes; ++i) {
+      const int64_t rows = (p.m - row) / (passes - i);
+      passes_by_rows[rows - 1](p, tile, acc.data(), row, b0, count);
+      row += rows;
+    }
+  }
+  for (int64_t r = 0; r < p.m; ++r) {
+    const __m256 a0 = _mm256_loadu_ps(&acc[r * kGroup]), a1 = _mm256_loadu_ps(&acc[r * kGroup + 8]);
+    alignas(32) float out[kGroup];  // back from ColumnOrder
+    _mm256_store_ps(out, _mm256_permute2f128_ps(a0, a1, 0x20));
+    _mm256_store_ps(out + 8, _mm256_permute2f128_ps(a0, a1, 0x31));
+    std::memcpy(p.y + r * p.n + g * kGroup, out, p.columns(g) * sizeof(float));
+  }
+}
+
+// The AVX2 many-row task for these weights and activations.
+template <int WBits>
+void (*gemm_avx2(Layout layout, int activation_bits))(void*, size_t) {
+  if constexpr (WBits == 8)
+    return gemm_group_avx2<8, false, false>;
+  else if (layout == kPlanes)
+    return activation_bits == 8 ? gemm_group_avx2<6, true, true> : gemm_group_avx2<6, true, false>;
+  else
+    return activation_bits == 8 ? gemm_group_avx2<6, false, true> : gemm_group_avx2<6, false, false>;
 }
 
 // ---- AVX-512 (VNNI, VBMI): 16 columns per register, up to 12 rows per pass --------------------------
@@ -674,12 +869,19 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
                int64_t n, int64_t kb, int activation_bits, Layout layout) {
   thread_local Activations x;  // reused call after call by the thread that runs the op
   x.fill(a, m, k, kb, activation_bits == 8 ? 127.0f : 32767.0f);
-  Problem<WBits> p{x.q.data(), x.scale.data(), static_cast<const uint8_t*>(w), static_cast<const uint8_t*>(s),
-                   y, m, n, kb, layout};
+  Problem<WBits> p{x.q.data(), x.scale.data(), nullptr, static_cast<const uint8_t*>(w),
+                   static_cast<const uint8_t*>(s), y, m, n, kb, layout};
   const auto groups = static_cast<size_t>((n + kGroup - 1) / kGroup);
 #ifdef MXSPD_X86
   if (kHasAvx512Vbmi && layout == kTriples && m >= kGemmMinRows<WBits>)
     return g_api.parallel_for(ctx, gemm_tile<WBits>, (groups + 1) / 2, &p);
+  if (kHasAvx2 && !(kHasAvx512Vbmi && layout == kTriples) && m >= kGemmMinRows2<WBits>) {
+    if (WBits == 6 && activation_bits == 8) {
+      x.bias();
+      p.xu = x.biased.data();
+    }
+    return g_api.parallel_for(ctx, gemm_avx2<WBits>(layout, activation_bits), groups, &p);
+  }
 #endif
   return g_api.parallel_for(ctx, tile<WBits>, groups, &p);
 }

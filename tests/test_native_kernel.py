@@ -222,6 +222,25 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 
 @needs_library
+@pytest.mark.parametrize("layout", [TRIPLES, PLANES], ids=["triples", "planes"])
+def test_the_largest_int8_products_are_exact_on_the_many_row_path(layout):
+    """int8 activations at +-127 against MXFP6 weights at +-60 (their largest magnitudes, signs mixed):
+    the AVX2 many-row path's biased vpmaddubsw pairs reach 2 x 255 x 60 = 30,600 and must not saturate
+    (2^15 - 1): a 32-row call gives each row the bits it gets alone (the one-row path's vpmaddwd sums), and
+    the exact products to float32 rounding (a saturated pair would be off by thousands of steps)."""
+    k, n = 64, 32
+    rng = np.random.default_rng(9)
+    codes = np.where(rng.random((k, n)) < 0.5, 31, 63).astype(np.uint8)  # +60 / -60 (8 x 7.5)
+    exps = np.full((k // 32, n), 127, np.uint8)
+    a = np.where(rng.random((32, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
+    a[:, ::2] = 1.0
+    s = session(mx_matmul_model(codes, exps, 8, [None, k], layout))
+    y = s.run(None, {"a": a})[0]
+    np.testing.assert_array_equal(y, np.concatenate([s.run(None, {"a": a[[r]]})[0] for r in range(32)]))
+    np.testing.assert_allclose(y, a.astype(np.float64) @ weight_values(codes, exps), atol=1e-5)
+
+
+@needs_library
 def test_the_preferred_layout_is_the_one_the_chosen_path_decodes():
     """TRIPLES only where the AVX-512 VBMI path runs (its byte permutes); PLANES for AVX2 and the rest."""
     widest, avx2, portable = every_path("import kernels; print(kernels.preferred_mx_layout())")

@@ -35,6 +35,7 @@ import numpy as np
 from runtime.artifact import Artifact
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
+from runtime.logprobs import TokenLogprob, token_logprob
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
 from runtime.proposal import Proposal
@@ -58,6 +59,7 @@ class Event:
     token: int | None = None  # a new token, or None with `finish` set (the last event)
     finish: str | None = None  # "eos", "stop", "length", "cancelled" or "error"
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, where the request asked for log probabilities
 
 
 @dataclass
@@ -76,6 +78,9 @@ class Request:
     dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
     drafter: Lookahead | None = None  # speculation "lookahead": its Jacobi window and n-gram pool
     cancelled: bool = False
+    logprobs: int | None = None  # report each new token's log probability and this many alternatives
+    echo: bool = False  # also every prompt token's (but the first's): prompt_logprobs, set before the first event
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cached: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
@@ -99,7 +104,7 @@ class Request:
         token but the last, and room for a round's drafts scored past its last token."""
         shared = 0 if self.leader is None else len(self.prompt)
         used = self.branch.length - shared if self.branch is not None else 0
-        return len(self.prompt) - shared + self.max_new_tokens - 1 + self.spare - used
+        return len(self.prompt) - shared + max(self.max_new_tokens, 1) - 1 + self.spare - used
 
     @property
     def dlm_need(self) -> int:
@@ -107,7 +112,7 @@ class Request:
         if self.spec is None or self.spec.method != "draft":
             return 0
         used = self.dlm_branch.length if self.dlm_branch is not None else 0
-        return len(self.prompt) + self.max_new_tokens - 1 + self.spare - used
+        return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
 
     @property
     def spare(self) -> int:
@@ -159,23 +164,27 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, prompt: list[int], decoding: Decoding, listener: Callable[[Event], None] | None = None,
-               spec: Speculation | None = None) -> Request:
+               spec: Speculation | None = None, logprobs: int | None = None, echo: bool = False) -> Request:
         """Queue a request; its events go to `listener` (called on the scheduler thread, must not block),
         or, without one, to `request.events()`. A request that can never fit the cache is refused at
-        once (CapacityError); a full queue raises QueueFullError."""
-        return self.submit_choices(prompt, [decoding], [listener], spec)[0]
+        once (CapacityError); a full queue raises QueueFullError. `logprobs`: each new token's event
+        carries its log probability and that many alternatives; `echo`: the prompt's are computed too
+        (Request.prompt_logprobs; the prefix cache is not used for it)."""
+        return self.submit_choices(prompt, [decoding], [listener], spec, logprobs, echo)[0]
 
     def submit_choices(self, prompt: list[int], decodings: list[Decoding],
-                       listeners: list[Callable[[Event], None] | None], spec: Speculation | None = None
-                       ) -> list[Request]:
+                       listeners: list[Callable[[Event], None] | None], spec: Speculation | None = None,
+                       logprobs: int | None = None, echo: bool = False) -> list[Request]:
         """Several choices of one prompt (OpenAI's `n`): the prompt is prefilled once and every choice
-        forks it, as MultiDecode's parallel sampling does. Admitted together or not at all."""
+        forks it, as MultiDecode's parallel sampling does. Admitted together or not at all. A decoding
+        of max_new_tokens 0 only prefills (with `echo`: scores the prompt)."""
         requests = []
         for decoding, listener in zip(decodings, listeners, strict=True):
             decoding, max_new = decoding.with_recipe(self.art), decoding.new_tokens(self.art)
             events: queue.Queue[Event] = queue.Queue()
             requests.append(Request(list(prompt), decoding, max_new, listener or events.put, events,
-                                    leader=requests[0] if requests else None, spec=spec))
+                                    leader=requests[0] if requests else None, spec=spec, logprobs=logprobs,
+                                    echo=echo))
         longest, most = len(prompt) + max(r.max_new_tokens for r in requests) - 1, self.art.manifest.context_length
         if longest > most:
             raise CapacityError(f"{len(prompt)} prompt tokens + {longest - len(prompt) + 1} new tokens need {longest} "
@@ -221,7 +230,7 @@ class Scheduler:
                 group[0].leader = None
                 for req in group[1:]:
                     req.leader = group[0]
-            hit = forest.cached_prefix(group[0].prompt) if group else []
+            hit = forest.cached_prefix(group[0].prompt) if group and not group[0].echo else []
             newly_pinned = int((~forest.pinned()[hit]).sum())  # cached slots no live request sees yet
             need = sum(r.need for r in group) - len(hit) + newly_pinned
             dlm_need = sum(r.dlm_need for r in group)
@@ -282,6 +291,7 @@ class Scheduler:
             sees.append(tree)
             keep.append(len(tokens))  # drafts: every row's logits
         budget = max(forest.max_rows // 4, forest.max_rows - sum(map(len, chains)))
+        chunk_at = {}  # an echoing request's chunk: its first position
         for req in [r for r in self.live if r.branch is not None and _prefilling(r)]:
             if budget <= 0:
                 break
@@ -289,22 +299,33 @@ class Scheduler:
             fed.append(req)
             chains.append(req.prompt[req.branch.length : req.branch.length + n])
             sees.append(None)
-            keep.append(1)  # the chunk's last row: the prompt's logits once it is the last chunk
+            keep.append(n if req.echo else 1)  # the chunk's last row: the prompt's logits once it is the last chunk
+            chunk_at[id(req)] = req.branch.length
             budget -= n
         if not fed:
             return
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
+        for req in fed:
+            if id(req) in chunk_at and req.echo:  # row j gives the log probability of the prompt's next token
+                at, rows = chunk_at[id(req)], rows_of[id(req)][0]
+                req.prompt_logprobs += [token_logprob(rows[j], req.prompt[at + j + 1], req.logprobs or 0)
+                                        for j in range(min(len(rows), len(req.prompt) - 1 - at))]
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
             if req.branch is None and id(req.leader) in rows_of and not _prefilling(req.leader):
                 req.branch, rows_of[id(req)] = forest.fork(req.leader.branch), rows_of[id(req.leader)]
+                req.prompt_logprobs = req.leader.prompt_logprobs
         now, tokens, tested = time.perf_counter(), 0, 0
         for req in [r for r in self.live if id(r) in rows_of and not _prefilling(r)]:
             (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
             if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
                 self._finish(forest, dlm, req, "error", NON_FINITE)
                 continue
+            if req.max_new_tokens == 0:  # scored its prompt (echo), generates nothing
+                self._finish(forest, dlm, req, "length")
+                continue
+            choosers = [len(rows) - 1]  # the row each emitted token was chosen from
             if not proposal.empty:
                 call, parents, _ = proposal.rows(req.tokens[-1])
                 path, nxt = verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
@@ -313,7 +334,7 @@ class Scheduler:
                 forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV
                 if req.dlm_fed is not None:
                     dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
-                emitted = [*call[path].tolist(), nxt]
+                emitted, choosers = [*call[path].tolist(), nxt], [0, *path]
                 if req.drafter is not None:
                     req.drafter.observe(proposal, len(path), emitted, argmax_rows(rows), 0.0)
                 self.stats["drafted"] += len(proposal.tokens)
@@ -322,10 +343,11 @@ class Scheduler:
             else:
                 emitted = [next_token(rows[-1], req.decoding.params, req.rng)]
             req.first_token = req.first_token or now
-            for token in emitted:
+            for token, row in zip(emitted, choosers, strict=True):
                 req.tokens.append(token)
                 tokens += 1
-                req.listener(Event(token=token))
+                lp = None if req.logprobs is None else token_logprob(rows[row], token, req.logprobs)
+                req.listener(Event(token=token, logprob=lp))
                 reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
                 if reason:
                     self._finish(forest, dlm, req, reason)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -143,3 +148,23 @@ def artifact(flat, checkpoints, tmp_path_factory, fmt: str, invariant: bool = Tr
                                                            dlm=str(checkpoints["draft"]) if dlm else None,
                                                            progress=False))
     return _built[key]
+
+
+@contextmanager
+def live_server(app) -> Iterator[str]:  # noqa: ANN001 - an ASGI app
+    """`app` served by uvicorn on a free loopback port for the block; yields its /v1 base URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)

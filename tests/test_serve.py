@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 import warnings
@@ -23,7 +22,7 @@ from runtime import ArtifactBusyError, NonFiniteLogitsError
 from runtime.request import decoding
 from serve.app import _Output, _stream, create_app
 from serve.scheduler import Event, QueueFullError, Scheduler
-from tests.conftest import tiny_recipe
+from tests.conftest import live_server, tiny_recipe
 
 PROMPTS = [[0, 5, 6, 7], [0, *range(40, 60)], [0, 9], [0, *range(100, 130)], [0, 77, 78], [0, 200, 201, 202]]
 
@@ -319,21 +318,10 @@ def test_a_served_artifact_refuses_direct_generation(served):
 
 def test_the_openai_client_works_unchanged(artifact_dir, reference):
     openai = pytest.importorskip("openai")
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     art = runtime.load_artifact(artifact_dir)
     art.eos_token_ids = frozenset()
-    server = uvicorn.Server(uvicorn.Config(create_app(art, name="tiny", api_key="s3cret"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret")
+    with live_server(create_app(art, name="tiny", api_key="s3cret")) as url:
+        client = openai.OpenAI(base_url=url, api_key="s3cret")
         r = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0)
         expected = _greedy(reference, reference.tokenizer("abc")["input_ids"], 10).text
         assert r.choices[0].text == expected and r.usage.completion_tokens == 10
@@ -341,12 +329,9 @@ def test_the_openai_client_works_unchanged(artifact_dir, reference):
         assert "".join(p.choices[0].text for p in pieces) == expected
         with pytest.raises(openai.BadRequestError, match="unknown model"):
             client.completions.create(model="nope", prompt="abc", max_tokens=2)
-        stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="guess", max_retries=0)
+        stranger = openai.OpenAI(base_url=url, api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="API key"):
             stranger.completions.create(model="tiny", prompt="abc", max_tokens=2)
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_a_cancelled_request_frees_its_slots_at_the_next_step(artifact_dir):

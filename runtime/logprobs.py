@@ -22,21 +22,29 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens of the row, most likely first
 
 
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    """log p of every token of one row of logits, in float64."""
-    x = np.asarray(row, dtype=np.float64)
-    top = x.max()
-    return x - (top + np.log(np.exp(x - top).sum()))
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """log p of every token of each row of logits (the last axis), in float64."""
+    x = np.asarray(rows, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], top: int = 0) -> list[TokenLogprob]:
+    """Each `tokens[i]`'s log probability under `rows[i]` ([n, V]), with the row's `top` most likely tokens
+    (ties: lower id first); one vectorised pass for a chunk of rows (an echoed prompt's)."""
+    if not 0 <= top <= MAX_TOP:
+        raise ValueError(f"top must lie in [0, {MAX_TOP}], got {top}")
+    lp = log_softmax(np.asarray(rows).reshape(len(tokens), -1))
+    chosen = lp[np.arange(len(tokens)), tokens]
+    best = [()] * len(tokens)
+    if top:
+        k = min(top, lp.shape[1])
+        ids = np.argpartition(-lp, k - 1, axis=1)[:, :k] if k < lp.shape[1] else np.tile(np.arange(k), (len(lp), 1))
+        best = [tuple((i, float(row[i])) for i in sorted(r.tolist(), key=lambda i, row=row: (-row[i], i)))
+                for r, row in zip(ids, lp, strict=True)]
+    return [TokenLogprob(int(t), float(c), b) for t, c, b in zip(tokens, chosen, best, strict=True)]
 
 
 def token_logprob(row: np.ndarray, token: int, top: int = 0) -> TokenLogprob:
-    """`token`'s log probability under `row`, with the row's `top` most likely tokens (ties: lower id first)."""
-    if not 0 <= top <= MAX_TOP:
-        raise ValueError(f"top must lie in [0, {MAX_TOP}], got {top}")
-    lp = log_softmax(row)
-    best: tuple[tuple[int, float], ...] = ()
-    if top:
-        ids = np.argpartition(-lp, top - 1)[:top] if top < len(lp) else np.arange(len(lp))
-        ids = sorted(ids.tolist(), key=lambda i: (-lp[i], i))
-        best = tuple((i, float(lp[i])) for i in ids)
-    return TokenLogprob(int(token), float(lp[token]), best)
+    """`token`'s log probability under one row of logits (token_logprobs of one row)."""
+    return token_logprobs(np.asarray(row)[None], [token], top)[0]

@@ -56,20 +56,24 @@ MAX_BODY_BYTES = 4 << 20  # a request body's default limit: a 4,096-token prompt
 ROLES = ("system", "developer", "user", "assistant")  # and "tool" where the chat template names it
 
 
-def _surrogate_free(value: object, where: str) -> None:
-    """Every string in a parsed body must be encodable text: JSON may hold a lone UTF-16 surrogate
-    ("\\ud800"), which no tokenizer takes."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{where}: holds a lone UTF-16 surrogate (not valid Unicode text)") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _surrogate_free(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _surrogate_free(item, f"{where}[{i}]")
+def _surrogate_free(body: object) -> None:
+    """Every string in a parsed body, keys included, must be encodable text: JSON may hold a lone UTF-16
+    surrogate ("\\ud800"), which no tokenizer takes. Walked without recursion (bodies nest deep)."""
+    todo = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(f"{where}.{_printable(k)}" if where else _printable(k), k) for k in value]
+            todo += [(f"{where}.{_printable(k)}" if where else _printable(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, str) and _printable(value) != value:
+            raise ValueError(f"{where or 'body'}: holds a lone UTF-16 surrogate (not valid Unicode text)")
+
+
+def _printable(text: object) -> str:
+    """Text safe to encode and send back: lone surrogates escaped (\\ud800)."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Sampling(BaseModel):
@@ -92,7 +96,7 @@ class Sampling(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text(cls, data: object) -> object:
-        _surrogate_free(data, "")
+        _surrogate_free(data)
         return data
 
 
@@ -144,7 +148,8 @@ class Unauthorized(Exception):
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
            code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers)
+    return JSONResponse({"error": {"message": _printable(message), "type": kind, "param": None, "code": code}},
+                        status, headers)
 
 
 COUNTERS = {  # metric (without the _total Prometheus adds) -> scheduler.stats key
@@ -444,7 +449,7 @@ class _Output:
         has filled req.prompt_logprobs before any event)."""
         self.begun = True
         if self.echo:
-            self.prefix = self.text = self.pieces.tokenizer.decode(self.echo)
+            self.prefix = self.text = self.pieces.tokenizer.decode(self.echo, skip_special_tokens=True)
             if self.top is not None:
                 self._log(self.echo, [None, *req.prompt_logprobs])
 
@@ -499,7 +504,8 @@ class _Output:
                                 for text, lp in zip(texts, lps, strict=True)]}
         offsets = list(accumulate(map(len, self.texts), initial=0))[start : start + len(texts)]
         return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
-                "top_logprobs": [None if lp is None else {decode([i]): v for i, v in lp.top} for lp in lps],
+                "top_logprobs": [None if lp is None else {decode([i]): v for i, v in lp.top} | {text: lp.logprob}
+                                 for text, lp in zip(texts, lps, strict=True)],  # the chosen token too, as OpenAI's
                 "text_offset": offsets}
 
 

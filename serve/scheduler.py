@@ -35,7 +35,7 @@ import numpy as np
 from runtime.artifact import Artifact
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
-from runtime.logprobs import TokenLogprob, token_logprob
+from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
 from runtime.proposal import Proposal
@@ -280,7 +280,7 @@ class Scheduler:
             self._finish(forest, dlm, req, "cancelled")
         for req in self.live:  # a choice whose leader went away before sharing its prompt: on its own
             if req.branch is None and req.leader not in self.live:
-                req.leader, req.branch = None, forest.attach(forest.cached_prefix(req.prompt))
+                req.leader, req.branch = None, forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
         proposals = self._propose(forest, dlm, [r for r in running if r.spec])
         fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
@@ -307,13 +307,16 @@ class Scheduler:
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
-        for req in fed:
-            if id(req) in chunk_at and req.echo:  # row j gives the log probability of the prompt's next token
-                at, rows = chunk_at[id(req)], rows_of[id(req)][0]
-                req.prompt_logprobs += [token_logprob(rows[j], req.prompt[at + j + 1], req.logprobs or 0)
-                                        for j in range(min(len(rows), len(req.prompt) - 1 - at))]
+        for req in [r for r in fed if id(r) in chunk_at and r.echo]:  # row j: the prompt's next token's
+            at, rows = chunk_at[id(req)], rows_of[id(req)][0]
+            scored = rows[: len(req.prompt) - 1 - at]
+            if not np.isfinite(scored).all():
+                self._finish(forest, dlm, req, "error", NON_FINITE)
+                continue
+            req.prompt_logprobs += token_logprobs(scored, req.prompt[at + 1 : at + 1 + len(scored)], req.logprobs or 0)
         for req in self.live:  # new choices fork their leader's prefilled prompt and share its logits
-            if req.branch is None and id(req.leader) in rows_of and not _prefilling(req.leader):
+            if req.branch is None and id(req.leader) in rows_of and req.leader in self.live \
+                    and not _prefilling(req.leader):
                 req.branch, rows_of[id(req)] = forest.fork(req.leader.branch), rows_of[id(req.leader)]
                 req.prompt_logprobs = req.leader.prompt_logprobs
         now, tokens, tested = time.perf_counter(), 0, 0

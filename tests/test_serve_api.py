@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import runtime
-from runtime.logprobs import log_softmax, token_logprob
+from runtime.logprobs import log_softmax, token_logprob, token_logprobs
 from serve.app import create_app
 from tests.conftest import live_server
 
@@ -96,6 +96,32 @@ def test_openai_ranges_are_enforced(served, body, word):
     assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("body", [{"\ud800": 1}, {"prompt": "x", "\ud800": "\udc00"},
+                                  {"messages": [{"role": "user", "content": "x", "\ud800": "\udc00"}]}])
+def test_a_surrogate_in_a_key_is_a_400_too(served, body):
+    r = post(served[1], "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+    assert r.status_code == 400 and "error" in r.json(), r.text
+
+
+def test_an_echoed_prompt_with_nan_logits_fails_alone(artifact_dir, monkeypatch):
+    """A non-finite row among an echoed prompt's (not only its last) ends that request with an error, not a
+    NaN in the JSON."""
+    art = runtime.load_artifact(artifact_dir)
+    real = art.tlm.run_rows
+
+    def poisoned(graph, tokens, cache_sees, sees, check=True):
+        logits = real(graph, tokens, cache_sees, sees, False)
+        logits[np.asarray(tokens) == 47] = np.nan  # a token early in the prompt below
+        return logits
+
+    monkeypatch.setattr(art.tlm, "run_rows", poisoned)
+    with TestClient(create_app(art)) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 500 and "NaN" in r.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"prompt": [0, 5, 6], "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["logprobs"]["token_logprobs"][1] < 0
+
+
 def test_top_logprobs_needs_logprobs(served):
     r = served[1].post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
                                                      "top_logprobs": 3})
@@ -171,17 +197,20 @@ def test_completion_echo_scores_the_prompt_as_transformers_does(served, hf):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
-    assert r.json()["usage"]["completion_tokens"] == 0 and choice["text"] == art.tokenizer.decode(PROMPT)
+    text = art.tokenizer.decode(PROMPT, skip_special_tokens=True)  # the prompt as sent: no BOS text
+    assert r.json()["usage"]["completion_tokens"] == 0 and choice["text"] == text
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
     expected = hf_logprobs(hf, PROMPT)
     for i in range(1, len(PROMPT)):
         assert abs(lp["token_logprobs"][i] - expected[i - 1, PROMPT[i]]) < 1e-4
-        assert 1 <= len(lp["top_logprobs"][i]) <= 5  # by text: byte tokens that decode alike share a key
+        # the 5 likeliest and the chosen token, by text (byte tokens that decode alike share a key)
+        assert lp["top_logprobs"][i][lp["tokens"][i]] == lp["token_logprobs"][i]
+        assert 1 <= len(lp["top_logprobs"][i]) <= 6
     assert lp["text_offset"] == list(np.cumsum([0, *map(len, lp["tokens"][:-1])]))
     # with new tokens: the prompt's then the completion's, the text the prompt's then the answer's
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1,
                                              "temperature": 0}).json()["choices"][0]
-    assert len(r["logprobs"]["tokens"]) == len(PROMPT) + 4 and r["text"].startswith(art.tokenizer.decode(PROMPT))
+    assert len(r["logprobs"]["tokens"]) == len(PROMPT) + 4 and r["text"].startswith(text)
     assert r["logprobs"]["token_logprobs"][1 : len(PROMPT)] == lp["token_logprobs"][1:]
 
 
@@ -199,6 +228,8 @@ def test_speculation_reports_the_logprobs_of_autoregressive_decoding(served, met
 def test_token_logprob_is_log_softmax_with_its_alternatives():
     row = np.array([1.0, 3.0, 3.0, -2.0], np.float32)
     t = token_logprob(row, 0, top=3)
+    rows = np.stack([row, row[::-1]])
+    assert token_logprobs(rows, [0, 3], 2) == [token_logprob(rows[0], 0, 2), token_logprob(rows[1], 3, 2)]
     expected = row.astype(np.float64) - np.log(np.exp(row.astype(np.float64)).sum())
     assert abs(t.logprob - expected[0]) < 1e-12 and [i for i, _ in t.top] == [1, 2, 0]  # ties: lower id first
     assert np.allclose(np.exp(log_softmax(row)).sum(), 1.0)

@@ -238,8 +238,13 @@ def test_token_logprob_is_log_softmax_with_its_alternatives():
 
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                                          max_size=4), max_leaves=20)
+
+
+def nested(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+
+
+JSON = st.recursive(SCALARS, nested, max_leaves=20)
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs", "top_logprobs",
           "echo", "stream", "seed", "model", "role", "content", "speculation", "draft_length"]
 BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=5) | JSON

@@ -3,11 +3,13 @@ ONNX Runtime's per-op-type kernel time (its profiler adds a little per node, so 
 useful part, not the sum).
 
     python -m benchmarks.step_profile ARTIFACT [--model tlm] [--graph decode] [--calls 30] [--visible N]
+                                      [--apart]
 
 Inputs are zeros with a full attention mask (the cost of a decode step does not depend on the
 values), or with only the first N cache slots visible (attention skips hidden keys, so its cost
-follows the visible ones: a short chat turn sees ~100). Sessions are made as the runtime makes
-them (common.targets.compiled_session_options).
+follows the visible ones: a short chat turn sees ~100); with `--apart` each row sees N slots of its own
+and itself (a server's step: rows of different sequences, no key shared, no row's keys in cache).
+Sessions are made as the runtime makes them (common.targets.compiled_session_options).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _session(path: Path, target: str, threads: int, profile: str | None = None) 
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _feeds(s: ort.InferenceSession, visible: int | None = None) -> dict[str, np.ndarray]:
+def _feeds(s: ort.InferenceSession, visible: int | None = None, apart: bool = False) -> dict[str, np.ndarray]:
     out = {}
     for i in s.get_inputs():
         shape = [d if isinstance(d, int) else 1 for d in i.shape]
@@ -46,7 +48,13 @@ def _feeds(s: ort.InferenceSession, visible: int | None = None) -> dict[str, np.
     if visible is not None:
         mask = out[graph_io.ATTENTION_MASK]
         tokens = out[graph_io.INPUT_IDS].shape[-1]
-        mask[..., visible: mask.shape[-1] - tokens] = False  # cache slots past the first `visible`
+        slots = mask.shape[-1] - tokens
+        mask[..., visible:slots] = False  # cache slots past the first `visible`
+        if apart:
+            mask[...] = False
+            for r in range(tokens):
+                mask[..., r, (r * visible + np.arange(visible)) % slots] = True
+                mask[..., r, slots + r] = True
     return out
 
 
@@ -66,6 +74,7 @@ def main() -> None:
     ap.add_argument("--graph", default="decode")
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--visible", type=int, help="cache slots each row sees (default: all)")
+    ap.add_argument("--apart", action="store_true", help="each row sees --visible slots of its own, and itself")
     args = ap.parse_args()
     manifest = read_manifest(args.artifact, verify=False)
     path = args.artifact / manifest.models[args.model].graphs[args.graph].file
@@ -73,10 +82,10 @@ def main() -> None:
     for threads in (1, 2, 1, 2):  # interleaved, twice
         s = _session(path, manifest.target, threads)
         report["ms_per_call"].setdefault(f"{threads} threads", []).append(
-            round(_ms_per_call(s, _feeds(s, args.visible), args.calls), 2))
+            round(_ms_per_call(s, _feeds(s, args.visible, args.apart), args.calls), 2))
     with tempfile.TemporaryDirectory() as tmp:
         s = _session(path, manifest.target, 1, profile=str(Path(tmp) / "p"))
-        feeds = _feeds(s, args.visible)
+        feeds = _feeds(s, args.visible, args.apart)
         for _ in range(args.calls):
             s.run(None, feeds)
         events = json.loads(Path(s.end_profiling()).read_text())

@@ -66,6 +66,8 @@ struct Problem {
   int64_t b, hq, hkv, t, c, d, mask_heads;
   float scale;
   bool tokens_major;  // y is [B, T, Hq, D], not [B, Hq, T, D]
+  const int32_t* lists = nullptr;    // each mask row's visible keys (list_task)
+  const uint32_t* counts = nullptr;
   const float* key_range = nullptr;  // [B, Hkv, C + T]: each key's value range (value_range), or none
 
   const float* key(int64_t batch, int64_t head, int64_t j) const {
@@ -110,33 +112,36 @@ void flush(int32_t* part, int64_t* num, int64_t d) {
   std::fill(part, part + d, 0);
 }
 
-// A row's work over its visible keys, in three passes, each one call per row (so that the vector
-// path's per-key steps inline): the values' range, each head's scores, each head's weighted sums.
+// A row's visible keys for one KV head as its passes read them (the values' range, each head's scores,
+// each head's weighted sums; one call each, so that the vector paths' per-key steps inline): each key's
+// and value's row and mask entry, gathered once per task for every head of its group and every pass.
 struct Visible {
-  const Problem& p;
-  int64_t batch, head;      // KV head
-  const int64_t* keys;      // visible key indices, cache slots first
+  const float* const* key;
+  const float* const* value;
+  const float* bias;  // the row's mask entry for each key
   size_t n;
-  const float* mask;        // the row's mask
+  size_t ahead;  // keys from here on that may be prefetched (0: the rows are in cache)
+  int64_t d;
+  float scale;
 };
 
 void scan_values_scalar(const Visible& v, float* largest, bool* bad) {
-  for (size_t n = 0; n < v.n; ++n) scan_scalar(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
+  for (size_t n = 0; n < v.n; ++n) scan_scalar(v.value[n], v.d, largest, bad);
 }
 
 void scores_scalar(const Visible& v, const float* q, float* score) {
   for (size_t n = 0; n < v.n; ++n)
-    score[n] = dot_scalar(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
+    score[n] = dot_scalar(q, v.key[n], v.d) * v.scale + v.bias[n];
 }
 
 // The softmax's two sums over the visible keys: den += p * 2^40, num += p * v * `scale` (2^(26 - e)).
 void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
   for (size_t n = 0; n < v.n; ++n) {
     *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
-    accumulate_scalar(part, v.p.value(v.batch, v.head, v.keys[n]), prob[n] * scale, v.p.d);
-    if ((n + 1) % kFlush == 0) flush(part, num, v.p.d);
+    accumulate_scalar(part, v.value[n], prob[n] * scale, v.d);
+    if ((n + 1) % kFlush == 0) flush(part, num, v.d);
   }
-  flush(part, num, v.p.d);
+  flush(part, num, v.d);
 }
 
 // Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
@@ -205,14 +210,14 @@ __attribute__((target("avx2,fma"))) inline void accumulate_avx2(int32_t* acc, co
 
 __attribute__((target("avx2,fma"))) void scan_values_avx2(const Visible& v, float* largest, bool* bad) {
   for (size_t n = 0; n < v.n; ++n) {
-    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
-    scan_avx2(v.p.value(v.batch, v.head, v.keys[n]), v.p.d, largest, bad);
+    if (n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+    scan_avx2(v.value[n], v.d, largest, bad);
   }
 }
 
 // dot_avx2 for 4 keys at once: the same operations per key, interleaved (one fma chain per key would
 // otherwise wait on the previous fma's latency).
-__attribute__((target("avx2,fma"))) inline void dot4_avx2(const float* x, const float* const y[4], int64_t d,
+__attribute__((target("avx2,fma"))) inline void dot4_avx2(const float* x, const float* const* y, int64_t d,
                                                           float out[4]) {
   __m256 acc[4][2];
   for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
@@ -240,41 +245,79 @@ __attribute__((target("avx2,fma"))) inline void dot4_avx2(const float* x, const 
   }
 }
 
-__attribute__((target("avx2,fma"))) void scores_avx2(const Visible& v, const float* q, float* score) {
-  size_t n = 0;
-  for (; n + 4 <= v.n; n += 4) {
-    const float* keys[4];
-    for (int k = 0; k < 4; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
-    for (size_t k = n + kAhead; k < std::min(n + kAhead + 4, v.n); ++k)
-      prefetch_row(v.p.key(v.batch, v.head, v.keys[k]), v.p.d);
-    dot4_avx2(q, keys, v.p.d, score + n);
-    for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
+// Eight keys' dot products (head sizes a multiple of 16), each in dot_avx2's order: two groups of 4 keys'
+// fma chains, lanes l and l + 8 added per key; then lane_sum's additions (h[i] + h[i + 4], then
+// (t0 + t2) + (t1 + t3)) done for the 8 keys together across registers, where reduce16 spends 7
+// instructions on each key. Returns the 8 sums in key order.
+__attribute__((target("avx2,fma"))) inline __m256 dot8_avx2(const float* x, const float* const* y, int64_t d) {
+  __m256 h[8];
+  for (int g = 0; g < 8; g += 4) {
+    __m256 acc[4][2];
+    for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + i + 8);
+      for (int k = 0; k < 4; ++k) {
+        acc[k][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(y[g + k] + i), acc[k][0]);
+        acc[k][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(y[g + k] + i + 8), acc[k][1]);
+      }
+    }
+    for (int k = 0; k < 4; ++k) h[g + k] = _mm256_add_ps(acc[k][0], acc[k][1]);
   }
-  for (; n < v.n; ++n)
-    score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
+  __m256 t[4];  // t[j]: keys 2j and 2j + 1, lanes (h[i] + h[i + 4]) ordered i = 0, 2, 1, 3
+  for (int j = 0; j < 4; ++j) {
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * j], h[2 * j + 1], 0x20),
+                                     _mm256_permute2f128_ps(h[2 * j], h[2 * j + 1], 0x31));
+    t[j] = _mm256_permute_ps(sum, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  // hadd adds neighbours: first t0 + t2 and t1 + t3 per key, then those two; keys come out 0 2 4 6 1 3 5 7
+  const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// Head size 64 (D8 = 8 vectors): the int32 partial sums stay in registers across keys.
-template <int D8>
+__attribute__((target("avx2,fma"))) void scores_avx2(const Visible& v, const float* q, float* score) {
+  size_t n = 0;
+  if (v.d % 16 == 0) {
+    const __m256 scale = _mm256_set1_ps(v.scale);
+    for (; n + 8 <= v.n; n += 8) {
+      for (size_t k = n + kAhead; k < std::min(n + kAhead + 8, v.ahead); ++k) prefetch_row(v.key[k], v.d);
+      const __m256 dots = dot8_avx2(q, v.key + n, v.d);
+      _mm256_storeu_ps(score + n, _mm256_add_ps(_mm256_mul_ps(dots, scale), _mm256_loadu_ps(v.bias + n)));
+    }
+  }
+  for (; n + 4 <= v.n; n += 4) {
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + 4, v.ahead); ++k) prefetch_row(v.key[k], v.d);
+    dot4_avx2(q, v.key + n, v.d, score + n);
+    for (int k = 0; k < 4; ++k) score[n + k] = score[n + k] * v.scale + v.bias[n + k];
+  }
+  for (; n < v.n; ++n) score[n] = dot_avx2(q, v.key[n], v.d) * v.scale + v.bias[n];
+}
+
+// Head sizes 64 and 128 (Chunks = 1 or 2): the weighted sums 64 columns at a time, their int32 partial
+// sums in 8 registers across keys (moved into int64 every kFlush keys). The denominator's terms are added
+// in the first chunk's loop: scalar double work beside the vector work (measured: a separate vector
+// loop over them was slower).
+template <int Chunks>
 __attribute__((target("avx2,fma"))) void sums_in_registers(const Visible& v, const float* prob, float scale,
-                                                           int32_t* part, int64_t* num, int64_t* den) {
-  __m256i acc[D8];
-  for (int j = 0; j < D8; ++j) acc[j] = _mm256_setzero_si256();
-  for (size_t n = 0; n < v.n; ++n) {
-    *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
-    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
-    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
-    const __m256 f = _mm256_set1_ps(prob[n] * scale);
-    for (int j = 0; j < D8; ++j)
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), f)));
-    if ((n + 1) % kFlush == 0 || n + 1 == v.n) {  // into the int64 sums, widened 4 lanes at a time
-      for (int j = 0; j < D8; ++j) {
-        for (int half = 0; half < 2; ++half) {
-          __m256i* sum = reinterpret_cast<__m256i*>(num + 8 * j + 4 * half);
-          const __m128i lanes = half ? _mm256_extracti128_si256(acc[j], 1) : _mm256_castsi256_si128(acc[j]);
-          _mm256_storeu_si256(sum, _mm256_add_epi64(_mm256_loadu_si256(sum), _mm256_cvtepi32_epi64(lanes)));
+                                                           int64_t* num, int64_t* den) {
+  for (int c = 0; c < 64 * Chunks; c += 64) {
+    __m256i acc[8];
+    for (auto& a : acc) a = _mm256_setzero_si256();
+    for (size_t n = 0; n < v.n; ++n) {
+      const float* x = v.value[n] + c;
+      if (c == 0) *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+      if (c == 0 && n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+      const __m256 f = _mm256_set1_ps(prob[n] * scale);
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_add_epi32(acc[j], _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), f)));
+      if ((n + 1) % kFlush == 0 || n + 1 == v.n) {  // into the int64 sums, widened 4 lanes at a time
+        for (int j = 0; j < 8; ++j) {
+          for (int half = 0; half < 2; ++half) {
+            __m256i* sum = reinterpret_cast<__m256i*>(num + c + 8 * j + 4 * half);
+            const __m128i lanes = half ? _mm256_extracti128_si256(acc[j], 1) : _mm256_castsi256_si128(acc[j]);
+            _mm256_storeu_si256(sum, _mm256_add_epi64(_mm256_loadu_si256(sum), _mm256_cvtepi32_epi64(lanes)));
+          }
+          acc[j] = _mm256_setzero_si256();
         }
-        acc[j] = _mm256_setzero_si256();
       }
     }
   }
@@ -282,29 +325,30 @@ __attribute__((target("avx2,fma"))) void sums_in_registers(const Visible& v, con
 
 __attribute__((target("avx2,fma"))) void sums_avx2(const Visible& v, const float* prob, float scale, int32_t* part,
                                                    int64_t* num, int64_t* den) {
-  if (v.p.d == 64) return sums_in_registers<8>(v, prob, scale, part, num, den);
+  if (v.d == 64) return sums_in_registers<1>(v, prob, scale, num, den);
+  if (v.d == 128) return sums_in_registers<2>(v, prob, scale, num, den);
   for (size_t n = 0; n < v.n; ++n) {
     *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
-    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
-    accumulate_avx2(part, v.p.value(v.batch, v.head, v.keys[n]), prob[n] * scale, v.p.d);
-    if ((n + 1) % kFlush == 0) flush(part, num, v.p.d);
+    if (n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+    accumulate_avx2(part, v.value[n], prob[n] * scale, v.d);
+    if ((n + 1) % kFlush == 0) flush(part, num, v.d);
   }
-  flush(part, num, v.p.d);
+  flush(part, num, v.d);
 }
 
 // ---- AVX-512: the same per-lane operations, 16 lanes at a time (the dot product's 16 lanes in one
 // register; the values' scan and sums elementwise, so their width cannot change a bit). exp stays on
 // the AVX2 path: it is a small part of a key's work.
 __attribute__((target(MXSPD_AVX512))) void scan_values_avx512(const Visible& v, float* largest, bool* bad) {
-  if (v.p.d % 16) return scan_values_avx2(v, largest, bad);
+  if (v.d % 16) return scan_values_avx2(v, largest, bad);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __m512 top[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   __mmask16 nonfinite = 0;
   for (size_t n = 0; n < v.n; ++n) {
-    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
-    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
-    for (int64_t i = 0; i < v.p.d; i += 64)  // four maxima chains (a max is exact: any order, the same)
-      for (int k = 0; k < 4 && i + 16 * k < v.p.d; ++k) {
+    const float* x = v.value[n];
+    if (n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+    for (int64_t i = 0; i < v.d; i += 64)  // four maxima chains (a max is exact: any order, the same)
+      for (int k = 0; k < 4 && i + 16 * k < v.d; ++k) {
         const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i + 16 * k));
         nonfinite |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // Inf, or NaN (unordered)
         top[k] = _mm512_max_ps(top[k], a);
@@ -342,14 +386,14 @@ __attribute__((target(MXSPD_AVX512))) void scores_avx512(const Visible& v, const
   size_t n = 0;
   for (; n + kDotKeys <= v.n; n += kDotKeys) {
     const float* keys[kDotKeys];
-    for (int k = 0; k < kDotKeys; ++k) keys[k] = v.p.key(v.batch, v.head, v.keys[n + k]);
-    for (size_t k = n + kAhead; k < std::min(n + kAhead + kDotKeys, v.n); ++k)
-      prefetch_row(v.p.key(v.batch, v.head, v.keys[k]), v.p.d);
-    dot8_avx512(q, keys, v.p.d, score + n);
-    for (int k = 0; k < kDotKeys; ++k) score[n + k] = score[n + k] * v.p.scale + v.mask[v.keys[n + k]];
+    for (int k = 0; k < kDotKeys; ++k) keys[k] = v.key[n + k];
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + kDotKeys, v.ahead); ++k)
+      prefetch_row(v.key[k], v.d);
+    dot8_avx512(q, keys, v.d, score + n);
+    for (int k = 0; k < kDotKeys; ++k) score[n + k] = score[n + k] * v.scale + v.bias[n + k];
   }
   for (; n < v.n; ++n)
-    score[n] = dot_avx2(q, v.p.key(v.batch, v.head, v.keys[n]), v.p.d) * v.p.scale + v.mask[v.keys[n]];
+    score[n] = dot_avx2(q, v.key[n], v.d) * v.scale + v.bias[n];
 }
 
 // Head sizes 64 and 128 (D16 = 4 or 8 registers): the int32 partial sums stay in registers across keys.
@@ -369,8 +413,8 @@ __attribute__((target(MXSPD_AVX512))) void sums_avx512(const Visible& v, const f
   __m512i acc[D16];
   for (int j = 0; j < D16; ++j) acc[j] = _mm512_setzero_si512();
   for (size_t n = 0; n < v.n; ++n) {
-    const float* x = v.p.value(v.batch, v.head, v.keys[n]);
-    if (n + kAhead < v.n) prefetch_row(v.p.value(v.batch, v.head, v.keys[n + kAhead]), v.p.d);
+    const float* x = v.value[n];
+    if (n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
     const __m512 f = _mm512_set1_ps(prob[n] * scale);
     for (int j = 0; j < D16; ++j)
       acc[j] = _mm512_add_epi32(acc[j], _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), f)));
@@ -419,39 +463,39 @@ void scores(const Visible& v, const float* q, float* score) {
 }
 
 // The indices first + j of the keys a row sees (mask[j] above kHidden), in order; returns how many.
-size_t visible_scalar(const float* mask, int64_t keys, int64_t* out, int64_t first = 0) {
+size_t visible_scalar(const float* mask, int64_t keys, int32_t* out, int64_t first = 0) {
   size_t n = 0;
   for (int64_t j = 0; j < keys; ++j)
-    if (mask[j] > kHidden) out[n++] = first + j;
+    if (mask[j] > kHidden) out[n++] = static_cast<int32_t>(first + j);
   return n;
 }
 
 #ifdef MXSPD_X86
-__attribute__((target("avx2,fma"))) size_t visible_avx2(const float* mask, int64_t keys, int64_t* out) {
+__attribute__((target("avx2,fma"))) size_t visible_avx2(const float* mask, int64_t keys, int32_t* out) {
   const __m256 hidden = _mm256_set1_ps(kHidden);
   size_t n = 0;
   int64_t j = 0;
   for (; j + 8 <= keys; j += 8) {
     unsigned bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + j), hidden, _CMP_GT_OQ));
-    for (; bits; bits &= bits - 1) out[n++] = j + __builtin_ctz(bits);
+    for (; bits; bits &= bits - 1) out[n++] = static_cast<int32_t>(j + __builtin_ctz(bits));
   }
   return n + visible_scalar(mask + j, keys - j, out + n, j);
 }
 #endif
 
 #ifdef MXSPD_X86
-__attribute__((target(MXSPD_AVX512))) size_t visible_avx512(const float* mask, int64_t keys, int64_t* out) {
+__attribute__((target(MXSPD_AVX512))) size_t visible_avx512(const float* mask, int64_t keys, int32_t* out) {
   const __m512 hidden = _mm512_set1_ps(kHidden);
   size_t n = 0;
   int64_t j = 0;
   for (; j + 16 <= keys; j += 16)
     for (unsigned bits = _mm512_cmp_ps_mask(_mm512_loadu_ps(mask + j), hidden, _CMP_GT_OQ); bits; bits &= bits - 1)
-      out[n++] = j + __builtin_ctz(bits);
+      out[n++] = static_cast<int32_t>(j + __builtin_ctz(bits));
   return n + visible_scalar(mask + j, keys - j, out + n, j);
 }
 #endif
 
-size_t visible_keys(const float* mask, int64_t keys, int64_t* out) {
+size_t visible_keys(const float* mask, int64_t keys, int32_t* out) {
 #ifdef MXSPD_X86
   if (kHasAvx512) return visible_avx512(mask, keys, out);
   if (kHasAvx2) return visible_avx2(mask, keys, out);
@@ -482,9 +526,30 @@ __attribute__((target(MXSPD_AVX512))) void normalise_avx512(const int64_t* num, 
 }
 #endif
 
-void normalise(const int64_t* num, int64_t den, int shift, float* y, int64_t d) {
+#ifdef MXSPD_X86
+// Each int64 sum turned into a double exactly by the magic-number trick (|num| < 2^51: see normalise).
+__attribute__((target("avx2,fma"))) void normalise_avx2(const int64_t* num, int64_t den, int shift, float* y,
+                                                        int64_t d) {
+  const __m256d divisor = _mm256_set1_pd(static_cast<double>(den)), power = _mm256_set1_pd(std::ldexp(1.0, shift));
+  const __m256d magic = _mm256_set1_pd(kMagic);
+  int64_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+    const __m256i bits = _mm256_add_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(num + i)),
+                                          _mm256_set1_epi64x(kMagicBits));
+    const __m256d q = _mm256_div_pd(_mm256_sub_pd(_mm256_castsi256_pd(bits), magic), divisor);
+    _mm_storeu_ps(y + i, _mm256_cvtpd_ps(_mm256_mul_pd(q, power)));
+  }
+  normalise_scalar(num + i, den, shift, y + i, d - i);
+}
+#endif
+
+// `terms` keys' sums: each term is at most 2^26 in magnitude, so below 2^24 terms every sum is below 2^50
+// and the AVX2 path's conversion is exact.
+void normalise(const int64_t* num, int64_t den, int shift, float* y, int64_t d, size_t terms) {
 #ifdef MXSPD_X86
   if (kHasAvx512) return normalise_avx512(num, den, shift, y, d);
+  if (kHasAvx2 && terms < (size_t{1} << 24) && std::isnormal(std::ldexp(1.0, shift)))
+    return normalise_avx2(num, den, shift, y, d);
 #endif
   normalise_scalar(num, den, shift, y, d);
 }
@@ -523,8 +588,8 @@ float largest_score(const float* score, size_t n, bool* bad) {
 
 void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
 #ifdef MXSPD_X86
-  if (kHasAvx512 && v.p.d == 64) return sums_avx512<4>(v, prob, scale, num, den);
-  if (kHasAvx512 && v.p.d == 128) return sums_avx512<8>(v, prob, scale, num, den);
+  if (kHasAvx512 && v.d == 64) return sums_avx512<4>(v, prob, scale, num, den);
+  if (kHasAvx512 && v.d == 128) return sums_avx512<8>(v, prob, scale, num, den);
   if (kHasAvx2) return sums_avx2(v, prob, scale, part, num, den);
 #endif
   sums_scalar(v, prob, scale, part, num, den);
@@ -539,11 +604,26 @@ int64_t group(const Problem& p) {
   return p.mask_heads == 1 && (p.t >= 4 || p.b * p.hkv * p.t >= kCores) ? p.hq / p.hkv : 1;
 }
 
-// Calls of at least this many rows (a prefill chunk, a scoring call) find each key's value range once
-// (range_task, for the keys some row sees), where each row would scan all its visible values again: a
-// row then reads one float per key, not D. (128 rows at 512 keys: the rows' scans read D = 128 floats per
-// row, head and key, as much as their weighted sums.)
-constexpr int64_t kRangeRows = 4;
+// Each mask row's visible keys, found once per call (every head group of the row reads the list, where
+// each group used to scan the row's whole mask again: 3 scans of 8,256 slots a row at SmolLM2's 8,192-slot
+// server cache). Row r's indices sit at index + r * (C + T), count[r] of them.
+struct Lists {
+  const Problem* p;
+  int32_t* index;
+  uint32_t* count;
+};
+
+void list_task(void* user, size_t row) {
+  const Lists& l = *static_cast<const Lists*>(user);
+  const int64_t keys = l.p->c + l.p->t, r = static_cast<int64_t>(row);
+  l.count[row] = static_cast<uint32_t>(visible_keys(l.p->mask + r * keys, keys, l.index + r * keys));
+}
+
+// Calls whose rows share keys (a prefill chunk, a scoring call: each visible key seen by kShared rows or
+// more on average) find each key's value range once (range_task, for the keys some row sees), where each
+// row would scan its visible values again: a row then reads one float per key, not D. Rows of different
+// sequences (a server's step) scan their own keys, which their sums then read again from cache.
+constexpr int64_t kShared = 2;
 
 struct Ranges {
   const Problem* p;
@@ -562,51 +642,85 @@ void range_task(void* user, size_t index) {
     if (seen[j]) out[j] = value_range(p.value(bb, kv, j), p.d);
 }
 
-// One task: (batch, group of query heads, row) -> their output vectors.
+// Keys per block: each head of a task's group works through a block in turn, so that the first brings
+// the block's key (or value) rows into L1, prefetching ahead, and the others read them there. (Head by
+// head over all keys, each head read every row again from L2 or memory, and prefetched it again.)
+constexpr size_t kBlock = 32;
+
+// One task: (batch, group of query heads, row) -> their output vectors. Each head's arithmetic is the same
+// whatever the blocks: its scores key by key, and its sums exact integers, added in any grouping.
 void task(void* user, size_t index) {
   const Problem& p = *static_cast<const Problem*>(user);
   const int64_t g = group(p), groups = p.hq / g, keys = p.c + p.t;
   const int64_t tt = static_cast<int64_t>(index) % p.t, h0 = static_cast<int64_t>(index) / p.t % groups * g;
   const int64_t bb = static_cast<int64_t>(index) / (p.t * groups), kv = h0 / (p.hq / p.hkv);
-  const float* mask = p.mask + ((bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt) * keys;
-  thread_local std::vector<int64_t> visible, num;
+  const int64_t row = (bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt;
+  thread_local std::vector<int64_t> num, den;
   thread_local std::vector<int32_t> part;
-  thread_local std::vector<float> score, prob;
-  visible.resize(keys);
-  visible.resize(visible_keys(mask, keys, visible.data()));
-  const Visible v{p, bb, kv, visible.data(), visible.size(), mask};
+  thread_local std::vector<float> score, prob, bias;
+  thread_local std::vector<const float*> rows;  // each visible key's row, then each value's
+  thread_local std::vector<uint8_t> live;
+  const int32_t* list = p.lists + row * keys;
+  const size_t count = p.counts[row];
+  const float* mask = p.mask + row * keys;
+  rows.resize(2 * count);
+  bias.resize(count);
+  for (size_t n = 0; n < count; ++n) {
+    rows[n] = p.key(bb, kv, list[n]), rows[count + n] = p.value(bb, kv, list[n]);
+    bias[n] = mask[list[n]];
+  }
+  const Visible v{rows.data(), rows.data() + count, bias.data(), count, count, p.d, p.scale};
   float largest = 0.0f;
   bool values_bad = false;  // an Inf or NaN value: the output is NaN
   if (p.key_range) {
     const float* range = p.key_range + (bb * p.hkv + kv) * keys;
-    for (const int64_t j : visible) largest = std::max(largest, range[j]);
+    for (size_t n = 0; n < count; ++n) largest = std::max(largest, range[list[n]]);
     values_bad = std::isinf(largest);
   } else {
     scan_values(v, &largest, &values_bad);
   }
-  score.resize(visible.size());
-  prob.resize(visible.size());
-  for (int64_t h = h0; h < h0 + g; ++h) {
-    const float* q = p.q + ((bb * p.hq + h) * p.t + tt) * p.d;
-    float* y = p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
-    scores(v, q, score.data());
+  const auto block = [&](size_t n0, bool first) {
+    return Visible{v.key + n0, v.value + n0, v.bias + n0, std::min(kBlock, v.n - n0), first ? v.n - n0 : 0, v.d,
+                   v.scale};
+  };
+  const auto output = [&](int64_t h) {
+    return p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
+  };
+  score.resize(g * v.n);
+  prob.resize(g * v.n);
+  for (size_t n0 = 0; n0 < v.n; n0 += kBlock)
+    for (int64_t i = 0; i < g; ++i)
+      scores(block(n0, i == 0), p.q + ((bb * p.hq + h0 + i) * p.t + tt) * p.d, score.data() + i * v.n + n0);
+  live.assign(g, 0);
+  for (int64_t i = 0; i < g; ++i) {
     bool bad = values_bad;
-    const float top = largest_score(score.data(), score.size(), &bad);
-    bad = bad || (!visible.empty() && !std::isfinite(top));
-    if (visible.empty() || largest == 0.0f || bad) {
-      std::fill(y, y + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+    const float top = largest_score(score.data() + i * v.n, v.n, &bad);
+    bad = bad || (v.n != 0 && !std::isfinite(top));
+    if (v.n == 0 || largest == 0.0f || bad) {
+      std::fill(output(h0 + i), output(h0 + i) + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
       continue;
     }
-    int e = 0;
-    std::frexp(largest, &e);  // every |value| < 2^e
-    e = std::max(e, kMinExponent);
-    num.assign(p.d, 0);
-    part.assign(p.d, 0);
-    int64_t den = 0;
-    probabilities(score.data(), visible.size(), top, prob.data());
-    sums(v, prob.data(), std::ldexp(1.0f, kValueFraction - e), part.data(), num.data(), &den);
-    normalise(num.data(), den, e - kValueFraction + kFraction, y, p.d);
+    live[i] = 1;
+    probabilities(score.data() + i * v.n, v.n, top, prob.data() + i * v.n);
   }
+  if (std::find(live.begin(), live.end(), 1) == live.end()) return;
+  int e = 0;
+  std::frexp(largest, &e);  // every |value| < 2^e
+  e = std::max(e, kMinExponent);
+  const float step = std::ldexp(1.0f, kValueFraction - e);
+  num.assign(g * p.d, 0);
+  part.assign(g * p.d, 0);
+  den.assign(g, 0);
+  for (size_t n0 = 0; n0 < v.n; n0 += kBlock) {
+    bool first = true;
+    for (int64_t i = 0; i < g; ++i) {
+      if (!live[i]) continue;
+      sums(block(n0, first), prob.data() + i * v.n + n0, step, part.data() + i * p.d, num.data() + i * p.d, &den[i]);
+      first = false;
+    }
+  }
+  for (int64_t i = 0; i < g; ++i)
+    if (live[i]) normalise(num.data() + i * p.d, den[i], e - kValueFraction + kFraction, output(h0 + i), p.d, v.n);
 }
 
 struct Kernel {
@@ -647,21 +761,34 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
   if (b * hq * t * d == 0) return nullptr;
   Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1], kernel.scale,
             kernel.tokens_major};
-  thread_local std::vector<uint8_t> seen;  // reused call after call by the thread that runs the op
+  thread_local std::vector<int32_t> lists;  // reused call after call by the thread that runs the op
+  thread_local std::vector<uint32_t> counts;
+  thread_local std::vector<uint8_t> seen;
   thread_local std::vector<float> ranges;
-  if (t >= kRangeRows) {
-    const int64_t keys = c + t, rows = p.mask_heads * t;
+  const int64_t keys = c + t, rows = p.mask_heads * t;
+  if (lists.size() < static_cast<size_t>(b * rows * keys)) lists.resize(b * rows * keys);
+  counts.resize(b * rows);
+  Lists found{&p, lists.data(), counts.data()};
+  if (OrtStatus* s = g_api.parallel_for(ctx, list_task, static_cast<size_t>(b * rows), &found)) return s;
+  p.lists = lists.data(), p.counts = counts.data();
+  if (rows > 1) {
     seen.assign(b * keys, 0);
-    ranges.resize(b * hkv * keys);
-    for (int64_t bb = 0; bb < b; ++bb)
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* mask = p.mask + (bb * rows + r) * keys;
-        uint8_t* any = seen.data() + bb * keys;
-        for (int64_t j = 0; j < keys; ++j) any[j] |= mask[j] > kHidden;
+    int64_t pairs = 0, distinct = 0;
+    for (int64_t r = 0; r < b * rows; ++r) {
+      uint8_t* any = seen.data() + r / rows * keys;
+      const int32_t* list = p.lists + r * keys;
+      pairs += counts[r];
+      for (uint32_t n = 0; n < counts[r]; ++n) {
+        distinct += !any[list[n]];
+        any[list[n]] = 1;
       }
-    Ranges work{&p, seen.data(), ranges.data()};
-    if (OrtStatus* s = g_api.parallel_for(ctx, range_task, static_cast<size_t>(b * hkv), &work)) return s;
-    p.key_range = ranges.data();
+    }
+    if (pairs >= kShared * distinct) {
+      ranges.resize(b * hkv * keys);
+      Ranges work{&p, seen.data(), ranges.data()};
+      if (OrtStatus* s = g_api.parallel_for(ctx, range_task, static_cast<size_t>(b * hkv), &work)) return s;
+      p.key_range = ranges.data();
+    }
   }
   return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
 }

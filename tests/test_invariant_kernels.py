@@ -126,7 +126,7 @@ def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_row_of_a_many_row_call_gets_the_bits_it_gets_alone(d):
-    """Calls of 4 rows or more find each key's value range once per call (the largest |v| over a row's
+    """Calls whose rows share keys find each key's value range once per call (the largest |v| over a row's
     visible keys sets the fixed-point step of its weighted sums); a row alone scans its own keys. The
     ranges must cover exactly the keys a row sees: a key no row sees holds the largest values (one
     counted by mistake changes every row's step and bits), a key only row 3 sees the next largest, and
@@ -147,6 +147,32 @@ def test_a_row_of_a_many_row_call_gets_the_bits_it_gets_alone(d):
         np.testing.assert_array_equal(alone[:, :, 0], together[:, :, r])
     assert np.isnan(together[0, :2, 5]).all() and np.isnan(together[0, 2:, 6]).all()
     assert not np.isnan(np.delete(together, [5, 6], axis=2)).any()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_rows_of_different_sequences_get_the_bits_they_get_alone(d):
+    """A server's step: 12 rows, each seeing its own 40-70 cache slots (no key shared, so each row scans
+    its own values), scattered over the cache as a server's slots are, beside hidden slots holding the
+    largest values; three query heads per KV head worked through in blocks of keys. Each row's output,
+    bit for bit, what the row gets alone, and within float32 rounding of float64."""
+    rng = np.random.default_rng(8)
+    t, c, hq, hkv = 12, 1000, 6, 2
+    q, pk, pv, nk, nv, mask = attention_inputs(rng, hq=hq, hkv=hkv, t=t, c=c, d=d, visible=0.0)
+    mask[...] = MIN
+    slots = rng.permutation(c)
+    taken = 0
+    for r in range(t):
+        n = int(rng.integers(40, 71))
+        mask[0, 0, r, slots[taken : taken + n]] = 0.0
+        mask[0, 0, r, c + r] = 0.0
+        taken += n
+    pv[0, :, slots[taken:]] *= 1000.0  # nobody's: were they counted, every row's step would change
+    together = run_attention([q, pk, pv, nk, nv, mask])
+    np.testing.assert_allclose(together, reference(q, pk, pv, nk, nv, mask, 0.25), rtol=0, atol=2e-6)
+    for r in range(t):
+        keep = np.r_[0:c, c + r]
+        alone = run_attention([q[:, :, [r]], pk, pv, nk[:, :, [r]], nv[:, :, [r]], mask[:, :, [r]][..., keep]])
+        np.testing.assert_array_equal(alone[:, :, 0], together[:, :, r])
 
 
 def test_portable_paths_give_the_vector_paths_bits(tmp_path):

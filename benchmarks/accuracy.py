@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ import numpy as np
 import runtime
 from benchmarks.intervals import perplexity_ratio_interval
 from benchmarks.peers import Genai, llama_cpp_module, llama_file
-from benchmarks.variants import build_cached, variant
+from benchmarks.variants import build_cached, variant, with_settings
 from common.recipe import selects_head
 from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
@@ -51,6 +50,7 @@ ALL_INT8 = {"mx_int8": ("proj",), "mx_lm_head": "int8"}  # every decoder linear 
 SENSITIVE8 = {"mx_int8": ("self_attn", "down_proj", "layers.29."), "mx_lm_head": "int8"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
+KV16 = {"kv_cache": "float16"}  # a float16 KV cache (a recipe key)
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
     "fp32": (None, "exact", "spec", {}),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
@@ -63,6 +63,7 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp6_e2m3 native8 min_error +head8": ("fp6_e2m3", "native8", "min_error", HEAD8),
     "fp6_e2m3 native min_error +sensitive8": ("fp6_e2m3", "native", "min_error", SENSITIVE8),
     "fp6_e2m3 native8 min_error +sensitive8": ("fp6_e2m3", "native8", "min_error", SENSITIVE8),
+    "fp6_e2m3 native min_error +sensitive8 +kv16": ("fp6_e2m3", "native", "min_error", SENSITIVE8 | KV16),
     "fp6_e2m3 native min_error +sensitive8 +nearest": ("fp6_e2m3", "native", "min_error",
                                                        SENSITIVE8 | ROUND_TO_NEAREST),
     "fp6_e2m3 native min_error +sensitive8 +float_embedding": ("fp6_e2m3", "native", "min_error",
@@ -88,8 +89,7 @@ def with_int8(fragment_lists: list[str]) -> dict[str, tuple]:
 def config_recipe(recipe, config: tuple):
     """The recipe, without its draft, with its TLM as `config` (CONFIGS) says."""
     fmt, lowering, scale, settings = config
-    r = variant(recipe, fmt, lowering, with_dlm=False, scale=scale)
-    return replace(r, tlm=replace(r.tlm, **settings))
+    return with_settings(variant(recipe, fmt, lowering, with_dlm=False, scale=scale), settings)
 
 
 def config_artifact(recipe, name: str, config: tuple, out_dir: Path) -> Path:

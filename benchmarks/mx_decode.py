@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, PLAIN, SENSITIVE8, score
+from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, KV16, PLAIN, SENSITIVE8, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
-from benchmarks.variants import build_cached, small_pages_copy, variant
+from benchmarks.variants import build_cached, small_pages_copy, variant, with_settings
 from common.cache import cache_root
 from common.recipe import Recipe
 from recipes import DEFAULT_RECIPE, get_recipe
@@ -55,6 +55,7 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
     "mxfp6_native_sensitive8": ("fp6_e2m3", "native", SENSITIVE8),
     "mxint8_native": ("fp6_e2m3", "native", ALL_INT8),
+    "mxfp6_kv16": ("fp6_e2m3", "native", KV16),  # the recipe's own, with a float16 KV cache
 }
 
 
@@ -65,8 +66,7 @@ LONG_ANSWER = "Write a Python function that returns the square of a number, and 
 def engine_recipe(recipe: Recipe, engine: str, new_tokens: int) -> Recipe:
     """The recipe's TLM alone, built as `engine` (ENGINES), generating `new_tokens`."""
     fmt, lowering, settings = ENGINES[engine]
-    r = variant(recipe, fmt, lowering, with_dlm=False)
-    return replace(r, tlm=replace(r.tlm, **settings), max_new_tokens=new_tokens)
+    return replace(with_settings(variant(recipe, fmt, lowering, with_dlm=False), settings), max_new_tokens=new_tokens)
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 import tokenize
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import onnx
@@ -31,6 +31,12 @@ def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with
     tlm = replace(with_mx_format(recipe.tlm, mx_format), mx_lowering=lowering, mx_scale=scale or recipe.tlm.mx_scale)
     dlm = recipe.dlm if with_dlm else None
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
+
+
+def with_settings(recipe: Recipe, settings: dict) -> Recipe:
+    """`settings` applied: the recipe's own keys (kv_cache) to the recipe, the others to its TLM."""
+    own = {k: v for k, v in settings.items() if k in {f.name for f in fields(Recipe)}}
+    return replace(recipe, tlm=replace(recipe.tlm, **{k: v for k, v in settings.items() if k not in own}), **own)
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

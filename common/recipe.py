@@ -29,6 +29,10 @@ MX_LM_HEADS = ("int8", "format", "float32")
 MX_EMBEDDINGS = ("int8", "float32")
 LM_HEAD_WEIGHT = "lm_head.weight.T"  # the LM head's MatMul weight in the exported graphs
 TARGETS = ("ort-cpu", "ort-cuda")
+# The KV cache's type: "" the target's (float32 on the CPU; the GPU target's graphs are float16 throughout,
+# its cache too), or float16 on the CPU (mxspd's kernels round each new key and value once: half the
+# bytes a token's attention reads; compiler/half_kv.py).
+KV_CACHES = ("", "float32", "float16")
 # What drafts the tokens the TLM verifies: the draft model, n-grams of the text so far, or
 # lookahead decoding's Jacobi n-gram pool (the last two need no draft model).
 SPECULATION_METHODS = ("draft", "prompt_lookup", "lookahead")
@@ -164,6 +168,7 @@ class Recipe:
     prefill_chunk: int = 32
     context_length: int = 256  # the longest sequence (prompt + new tokens), in positions
     kv_slots: int = 0  # KV cache slots, shared by all of a server's requests (0: context_length)
+    kv_cache: str = ""  # KV_CACHES
     max_prompt_length: int = 128
     max_new_tokens: int = 128
     batch_size: int = 1
@@ -287,6 +292,10 @@ def validate(recipe: Recipe) -> Recipe:
                           f"({recipe.context_length}) slots, or be 0 (= context_length)")
     if recipe.prefill_chunk > recipe.context_length:
         raise RecipeError("prefill_chunk must not exceed context_length")
+    if recipe.kv_cache not in KV_CACHES:
+        raise RecipeError(f"kv_cache: {recipe.kv_cache!r} is not one of {KV_CACHES[1:]} (or \"\", the target's)")
+    if recipe.kv_cache == "float32" and recipe.target == "ort-cuda":
+        raise RecipeError('kv_cache: the ort-cuda target computes in float16, its KV cache too; use "float16" or ""')
     if recipe.speculation not in SPECULATION_METHODS:
         raise RecipeError(f"speculation: {recipe.speculation!r} is not one of {SPECULATION_METHODS}")
     if recipe.speculative and recipe.speculation == "draft" and recipe.dlm is None:

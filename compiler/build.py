@@ -33,6 +33,7 @@ from common.targets import get_target, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.float16 import KV_DTYPE, to_float16
 from compiler.greedy_outputs import add_greedy_outputs
+from compiler.half_kv import half_kv_cache
 from compiler.invariance import check_invariant, inline_attention, make_invariant
 from compiler.kv_store import store_graph
 from compiler.layouts import fold_layouts, tensor_shapes
@@ -111,8 +112,8 @@ def _lift(model: onnx.ModelProto, floats: bool) -> list[onnx.TensorProto]:
     return lifted
 
 
-def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile, memo: Memo
-           ) -> tuple[Path, dict[str, str], dict[str, list[int | None]]]:
+def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, shared: SharedFile, memo: Memo,
+           half_kv: bool = False) -> tuple[Path, dict[str, str], dict[str, list[int | None]]]:
     """Lower the MX ops of one graph for ONNX Runtime, weight by weight, and make it batch-invariant
     (or inline its attention), into the model's lowered weights file (shared by its graphs: equal
     tensors are stored once); returns the graph's path, the MX weights lowered and the exported
@@ -148,6 +149,8 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
     if invariant:
         fuse_split_heads(model, shapes)
         fuse_rotary_attention(model)
+    if half_kv:
+        half_kv_cache(model)
     for t in model.graph.initializer:  # weights the passes left alone (embeddings, norms)
         if t.name in exported:
             data = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, raw_data=read(t))
@@ -240,13 +243,18 @@ def effective_invariance(wanted: bool, target: str) -> bool:
 
 
 def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, invariant: bool, progress: bool,
-                   consume_export: bool = False) -> ModelEntry:
+                   consume_export: bool = False, kv_cache: str = "") -> ModelEntry:
     """`consume_export`: delete the export's weights file once every graph is lowered (its exports are
-    temporary: the disk then holds the lowered weights and the artifact, not the export's too)."""
+    temporary: the disk then holds the lowered weights and the artifact, not the export's too).
+    `kv_cache`: the recipe's (common.recipe.KV_CACHES)."""
     info = json.loads((export_dir / EXPORT_INFO).read_text())
     quant = dict(info.get("quant", {}))
     lowering = effective_lowering(lowering, target) if quant else None
     invariant = effective_invariance(invariant, target)
+    half_kv = kv_cache == "float16" and not get_target(target).float16
+    if half_kv and not invariant:
+        raise ValueError('kv_cache = "float16" on the CPU needs mxspd\'s attention kernels (their library built at '
+                         'install, and batch_invariant on); set kv_cache = "float32", or reinstall with a C++ compiler')
 
     def optimized(work: Path, lowered_graphs: dict[str, tuple]) -> Iterator[tuple[str, Path]]:
         """Each lowered graph optimised in turn; its optimised copy goes once it is merged."""
@@ -281,7 +289,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         # once (`memo`), and then the export's weights file can go before the artifact's is written.
         with shared_file(Path(work) / "lowered.bin") as shared:
             memo: Memo = {}
-            lowered_graphs = {name: _lower(export_dir, name, lowering, invariant, shared, memo)
+            lowered_graphs = {name: _lower(export_dir, name, lowering, invariant, shared, memo, half_kv)
                               for name in tqdm(info["graphs"], desc=f"lower {out_dir.name}", disable=not progress)}
         if consume_export:
             (export_dir / info["weights"]).unlink()
@@ -290,7 +298,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
     (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
     shared = SharedWeights(out_dir, out_dir / info["weights"], get_target(target).device)
-    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if get_target(target).float16 else {}))
+    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if get_target(target).float16 or half_kv else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target, shared=shared)
@@ -346,7 +354,7 @@ def compile_artifact(
         specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
             role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering,
-                                 recipe.batch_invariant, progress, consume_exports)
+                                 recipe.batch_invariant, progress, consume_exports, recipe.kv_cache)
             for role, d in exports.items()
         }
         shutil.copytree(Path(exports["tlm"]) / "tokenizer", staging / "tokenizer")

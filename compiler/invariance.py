@@ -24,7 +24,7 @@ import onnx
 from onnx import helper, inliner, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from kernels import ATTENTION, DOMAIN, ROTARY_ATTENTION, ROW_MATMUL
+from kernels import ATTENTION, ATTENTION_HALF_KV, DOMAIN, ROTARY_ATTENTION, ROTARY_ATTENTION_HALF_KV, ROW_MATMUL
 from kernels.layout import pack_panels
 
 Store = Callable[[onnx.TensorProto], onnx.TensorProto]  # a new initializer -> what the graph keeps
@@ -124,7 +124,8 @@ def make_invariant(model: onnx.ModelProto, read: Read = lambda t: t.raw_data, st
 def check_invariant(model: onnx.ModelProto, name: str) -> None:
     """After ONNX Runtime's optimisation: attention still runs in the kernel, no float matmul reads a weight."""
     inits = {t.name for t in model.graph.initializer}
-    attention = [n for n in model.graph.node if n.op_type in (ATTENTION, ROTARY_ATTENTION) and n.domain == DOMAIN]
+    kernels = (ATTENTION, ROTARY_ATTENTION, ATTENTION_HALF_KV, ROTARY_ATTENTION_HALF_KV)
+    attention = [n for n in model.graph.node if n.op_type in kernels and n.domain == DOMAIN]
     broken = [n.name or n.op_type for n in model.graph.node
               if (n.op_type in FLOAT_MATMULS and len(n.input) > 1 and n.input[1] in inits) or n.op_type == "Softmax"]
     if not attention or broken:

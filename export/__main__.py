@@ -8,7 +8,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common.recipe import MX_FORMATS, MX_LOWERINGS, TARGETS, RecipeError, validate, with_mx_format
+import numpy as np
+
+from common.manifest import read_manifest
+from common.recipe import KV_CACHES, MX_FORMATS, MX_LOWERINGS, TARGETS, RecipeError, validate, with_mx_format
 from common.resources import DoesNotFitError
 from export.loader import ModelNotFoundError, is_available
 from recipes import DEFAULT_RECIPE, FALLBACK_RECIPE, get_recipe, recipe_names
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the recipe's, left out with a note when --tlm brings another tokenizer)")
     p.add_argument("--kv-slots", type=int, help="override the recipe's KV cache slots (shared by a server's "
                    "requests; default: the recipe's, else its context_length)")
+    p.add_argument("--kv-cache", choices=KV_CACHES[1:], help="override the recipe's KV cache type (float16 on the "
+                   "CPU: half the cache's memory and of the bytes each token's attention reads)")
     p.add_argument("--target", choices=TARGETS, help="override the recipe's target (ort-cuda: float16 graphs for "
                    "ONNX Runtime's CUDA provider; buildable without a GPU, run where one is)")
     p.add_argument("--out", type=Path, help="artifact folder (default artifacts/<recipe>)")
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.mx_calibration:
             tlm = replace(tlm, mx_calibration="" if args.mx_calibration == "none" else args.mx_calibration)
         slots = recipe.kv_slots if args.kv_slots is None else args.kv_slots
-        recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots, target=args.target or recipe.target))
+        recipe = validate(replace(recipe, tlm=tlm, kv_slots=slots, target=args.target or recipe.target,
+                                  kv_cache=args.kv_cache or recipe.kv_cache))
         out = args.out or Path("artifacts") / recipe.name
         table = "" if args.ngram_table == "none" else args.ngram_table
         path = build_artifact(recipe, out, args.tlm, args.dlm, progress=not args.quiet, force=args.force,
@@ -88,7 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: no new artifact was written (an existing one at --out is kept)", file=sys.stderr)
         return 130
     print(f"compiled artifact: {path}")
+    print(_cache_line(path))
     return 0
+
+
+def _cache_line(path: Path) -> str:
+    """What the KV cache will hold in memory once loaded: slots, bytes per slot, type, per model."""
+    manifest = read_manifest(path, verify=False)
+    parts, total = [], 0
+    for role, entry in manifest.models.items():
+        d = entry.dims
+        per_slot = 2 * d.n_layers * d.n_kv_heads * d.head_dim * np.dtype(d.kv_dtype).itemsize
+        total += per_slot * manifest.capacity
+        parts.append(f"{role} {d.kv_dtype}, {per_slot / 1024:.1f} KiB a slot")
+    return f"KV cache: {manifest.capacity} slots, {total / 2**20:.1f} MiB ({'; '.join(parts)})"
 
 
 if __name__ == "__main__":

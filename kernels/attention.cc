@@ -22,6 +22,13 @@
 // needs the build's -ffp-contract=off: a fused multiply-add where the source has a product and a sum
 // would round once where the scalar path rounds twice.
 //
+// ai.mxspd::AttentionHalfKV and RotaryAttentionHalfKV: the same ops over a float16 KV cache (past_key,
+// past_value float16): the call's new keys and values are rounded to float16 first (to nearest, ties to
+// even: F16C's conversion and its scalar twin here) and written as outputs 1 and 2 (float16), which the
+// runtime stores, and attention reads those rounded values; so a key attended as a new row and later as
+// a cache slot is the same number, and every row's output is the float32 kernel's on the rounded keys
+// and values (each row of 16-bit K and V is widened to float32 in L1, a block of keys at a time).
+//
 // ai.mxspd::RotaryAttention: RotaryQKV (kernels/rotary.cc) and Attention in one op, where the packed
 // q/k/v projection feeds nothing else: inputs qkv [B, T, (Hq + 2 Hkv) * D], cos and sin [B or 1, 1, T,
 // D], past_key, past_value, mask; outputs the attention's output, and the rotated new keys and the
@@ -33,6 +40,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <thread>
 #include <utility>
 
@@ -60,6 +69,109 @@ inline int64_t fixed(double x) {
   return bits - kMagicBits;
 }
 
+using Half = uint16_t;
+
+// float16 -> float32: exact (vcvtph2ps's values).
+inline float half_to_float(Half h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float
+    const float f = static_cast<float>(m) * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// float32 -> float16, to nearest with ties to even, as vcvtps2ph with rounding 0 does it: above 65504 by
+// half a step or more infinity, below 2^-14 a subnormal, a NaN quiet with its payload's top bits.
+inline Half float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000, mag = x & 0x7fffffff;
+  if (mag >= 0x7f800000)  // infinity, or NaN
+    return static_cast<Half>(sign | 0x7c00 | (mag > 0x7f800000 ? 0x200 | ((mag >> 13) & 0x3ff) : 0));
+  if (mag >= 0x477ff000) return static_cast<Half>(sign | 0x7c00);  // 65520 and up
+  if (mag < 0x38800000) {  // below 2^-14: round(|f| * 2^24) (the product exact), 1024 being 2^-14 itself
+    float a;
+    std::memcpy(&a, &mag, sizeof a);
+    return static_cast<Half>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  const uint32_t m = mag - 0x38000000;  // the exponent rebiased (127 -> 15), then 13 bits rounded off
+  return static_cast<Half>(sign | ((m + 0xfff + ((m >> 13) & 1)) >> 13));
+}
+
+void to_half_scalar(const float* x, Half* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = float_to_half(x[i]);
+}
+
+void to_float_scalar(const Half* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = half_to_float(x[i]);
+}
+
+// The largest |v[i]| of float16 values (their magnitudes' bits order as the values do) and whether any is
+// Inf or NaN (magnitude bits 0x7c00 and up).
+uint16_t half_magnitude_scalar(const Half* v, int64_t d) {
+  uint16_t top = 0;
+  for (int64_t i = 0; i < d; ++i) top = std::max<uint16_t>(top, v[i] & 0x7fff);
+  return top;
+}
+
+#ifdef MXSPD_X86
+__attribute__((target("avx2,fma,f16c"))) void to_half_avx2(const float* x, Half* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  to_half_scalar(x + i, y + i, n - i);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void to_float_avx2(const Half* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  to_float_scalar(x + i, y + i, n - i);
+}
+
+__attribute__((target("avx2,fma"))) uint16_t half_magnitude_avx2(const Half* v, int64_t d) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  __m256i top = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16)
+    top = _mm256_max_epu16(
+        top, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), magnitude));
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
+  uint16_t out = half_magnitude_scalar(v + i, d - i);
+  for (uint16_t x : lanes) out = std::max(out, x);
+  return out;
+}
+
+inline const bool kHasF16c = kHasAvx2 && __builtin_cpu_supports("f16c");
+#endif
+
+void to_half(const float* x, Half* y, int64_t n) {
+#ifdef MXSPD_X86
+  if (kHasF16c) return to_half_avx2(x, y, n);
+#endif
+  to_half_scalar(x, y, n);
+}
+
+void to_float(const Half* x, float* y, int64_t n) {
+#ifdef MXSPD_X86
+  if (kHasF16c) return to_float_avx2(x, y, n);
+#endif
+  to_float_scalar(x, y, n);
+}
+
+uint16_t half_magnitude(const Half* v, int64_t d) {
+#ifdef MXSPD_X86
+  if (kHasAvx2) return half_magnitude_avx2(v, d);
+#endif
+  return half_magnitude_scalar(v, d);
+}
+
 struct Problem {
   const float *q, *past_key, *past_value, *new_key, *new_value, *mask;
   float* y;
@@ -76,6 +188,18 @@ struct Problem {
   const float* value(int64_t batch, int64_t head, int64_t j) const {
     return j < c ? past_value + ((batch * hkv + head) * c + j) * d
                  : new_value + ((batch * hkv + head) * t + j - c) * d;
+  }
+  // The float16 cache and the call's rounded new rows (the HalfKV ops), or none.
+  const Half *past_key16 = nullptr, *past_value16 = nullptr, *new_key16 = nullptr, *new_value16 = nullptr;
+  bool half_kv = false;
+  bool half() const { return half_kv; }
+  const Half* key16(int64_t batch, int64_t head, int64_t j) const {
+    return j < c ? past_key16 + ((batch * hkv + head) * c + j) * d
+                 : new_key16 + ((batch * hkv + head) * t + j - c) * d;
+  }
+  const Half* value16(int64_t batch, int64_t head, int64_t j) const {
+    return j < c ? past_value16 + ((batch * hkv + head) * c + j) * d
+                 : new_value16 + ((batch * hkv + head) * t + j - c) * d;
   }
 };
 
@@ -149,6 +273,9 @@ void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part
 constexpr size_t kAhead = 8;
 inline void prefetch_row(const float* row, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+inline void prefetch_half_row(const uint16_t* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) __builtin_prefetch(row + i);
 }
 
 #ifdef MXSPD_X86
@@ -629,17 +756,26 @@ struct Ranges {
   const Problem* p;
   const uint8_t* seen;  // [B, C + T]: some row of the batch sees the key
   float* out;           // [B, Hkv, C + T]
+  const Problem* wide;  // a float16 cache: where its seen rows are widened to float32 for every row's use
 };
 
-// One task: (batch, KV head) -> the value ranges of the keys its rows see.
+// One task: (batch, KV head) -> the value ranges of the keys its rows see (a float16 cache's rows
+// widened first: the rows that share them then read float32, as a float32 cache's would, instead of each
+// widening them again).
 void range_task(void* user, size_t index) {
   const Ranges& r = *static_cast<const Ranges*>(user);
   const Problem& p = *r.p;
   const int64_t keys = p.c + p.t, bb = static_cast<int64_t>(index) / p.hkv, kv = static_cast<int64_t>(index) % p.hkv;
   const uint8_t* seen = r.seen + bb * keys;
   float* out = r.out + static_cast<int64_t>(index) * keys;
-  for (int64_t j = 0; j < keys; ++j)
-    if (seen[j]) out[j] = value_range(p.value(bb, kv, j), p.d);
+  for (int64_t j = 0; j < keys; ++j) {
+    if (!seen[j]) continue;
+    if (r.wide) {
+      to_float(p.key16(bb, kv, j), const_cast<float*>(r.wide->key(bb, kv, j)), p.d);
+      to_float(p.value16(bb, kv, j), const_cast<float*>(r.wide->value(bb, kv, j)), p.d);
+    }
+    out[j] = value_range((r.wide ? r.wide : &p)->value(bb, kv, j), p.d);
+  }
 }
 
 // Keys per block: each head of a task's group works through a block in turn, so that the first brings
@@ -658,16 +794,26 @@ void task(void* user, size_t index) {
   thread_local std::vector<int64_t> num, den;
   thread_local std::vector<int32_t> part;
   thread_local std::vector<float> score, prob, bias;
-  thread_local std::vector<const float*> rows;  // each visible key's row, then each value's
+  thread_local std::vector<const float*> rows;  // each visible key's row, then each value's (float32 cache)
+  thread_local std::vector<const Half*> rows16;  // the same, float16 cache
+  thread_local std::vector<float> wide;         // a block of float16 rows widened: kBlock keys, then values
+  thread_local std::vector<const float*> wide_rows;
   thread_local std::vector<uint8_t> live;
   const int32_t* list = p.lists + row * keys;
   const size_t count = p.counts[row];
   const float* mask = p.mask + row * keys;
-  rows.resize(2 * count);
   bias.resize(count);
-  for (size_t n = 0; n < count; ++n) {
-    rows[n] = p.key(bb, kv, list[n]), rows[count + n] = p.value(bb, kv, list[n]);
-    bias[n] = mask[list[n]];
+  for (size_t n = 0; n < count; ++n) bias[n] = mask[list[n]];
+  if (p.half()) {
+    rows16.resize(2 * count);
+    for (size_t n = 0; n < count; ++n)
+      rows16[n] = p.key16(bb, kv, list[n]), rows16[count + n] = p.value16(bb, kv, list[n]);
+    wide.resize(2 * kBlock * p.d);
+    wide_rows.resize(2 * kBlock);
+    for (size_t r = 0; r < 2 * kBlock; ++r) wide_rows[r] = wide.data() + r * p.d;
+  } else {
+    rows.resize(2 * count);
+    for (size_t n = 0; n < count; ++n) rows[n] = p.key(bb, kv, list[n]), rows[count + n] = p.value(bb, kv, list[n]);
   }
   const Visible v{rows.data(), rows.data() + count, bias.data(), count, count, p.d, p.scale};
   float largest = 0.0f;
@@ -676,12 +822,28 @@ void task(void* user, size_t index) {
     const float* range = p.key_range + (bb * p.hkv + kv) * keys;
     for (size_t n = 0; n < count; ++n) largest = std::max(largest, range[list[n]]);
     values_bad = std::isinf(largest);
+  } else if (p.half()) {
+    uint16_t top = 0;
+    for (size_t n = 0; n < count; ++n) top = std::max(top, half_magnitude(rows16[count + n], p.d));
+    values_bad = top >= 0x7c00;
+    largest = values_bad ? std::numeric_limits<float>::infinity() : half_to_float(top);
   } else {
     scan_values(v, &largest, &values_bad);
   }
-  const auto block = [&](size_t n0, bool first) {
-    return Visible{v.key + n0, v.value + n0, v.bias + n0, std::min(kBlock, v.n - n0), first ? v.n - n0 : 0, v.d,
-                   v.scale};
+  // Keys n0.. of a block: their rows in place (float32), or widened into L1 first (float16: `values`
+  // picks the value rows), once for all the group's heads.
+  const auto block = [&](size_t n0, bool first, bool values = false) {
+    const size_t len = std::min(kBlock, v.n - n0);
+    if (!p.half() || !first)
+      return p.half() ? Visible{wide_rows.data(), wide_rows.data() + kBlock, v.bias + n0, len, 0, v.d, v.scale}
+                      : Visible{v.key + n0, v.value + n0, v.bias + n0, len, first ? v.n - n0 : 0, v.d, v.scale};
+    const Half* const* from = rows16.data() + (values ? count : 0);
+    float* to = wide.data() + (values ? kBlock * p.d : 0);
+    for (size_t r = 0; r < len; ++r) {
+      if (n0 + r + kAhead < count) prefetch_half_row(from[n0 + r + kAhead], p.d);
+      to_float(from[n0 + r], to + r * p.d, p.d);
+    }
+    return Visible{wide_rows.data(), wide_rows.data() + kBlock, v.bias + n0, len, 0, v.d, v.scale};
   };
   const auto output = [&](int64_t h) {
     return p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
@@ -715,7 +877,8 @@ void task(void* user, size_t index) {
     bool first = true;
     for (int64_t i = 0; i < g; ++i) {
       if (!live[i]) continue;
-      sums(block(n0, first), prob.data() + i * v.n + n0, step, part.data() + i * p.d, num.data() + i * p.d, &den[i]);
+      sums(block(n0, first, true), prob.data() + i * v.n + n0, step, part.data() + i * p.d, num.data() + i * p.d,
+           &den[i]);
       first = false;
     }
   }
@@ -744,8 +907,9 @@ OrtStatus* create(const OrtKernelInfo* info, bool rotary, void** out) {
 }
 
 // The attention proper: in = query, past_key, past_value, new_key, new_value, mask, with their dims.
+// `half`: the float16 past keys and values and the call's rounded new ones (the HalfKV ops), or none.
 OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* const (&in)[6],
-                  const std::vector<int64_t> (&dims)[6]) {
+                  const std::vector<int64_t> (&dims)[6], const Half* const* half = nullptr) {
   const auto& qd = dims[0];
   if (qd.size() != 4 || dims[1].size() != 4 || dims[3].size() != 4 || dims[5].size() != 4)
     return g_api.error("Attention: query, keys, values and mask must be 4-D");
@@ -761,10 +925,16 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
   if (b * hq * t * d == 0) return nullptr;
   Problem p{in[0], in[1], in[2], in[3], in[4], in[5], y, b, hq, hkv, t, c, d, dims[5][1], kernel.scale,
             kernel.tokens_major};
+  if (half) {
+    p.past_key16 = half[0], p.past_value16 = half[1], p.new_key16 = half[2], p.new_value16 = half[3];
+    p.half_kv = true;
+  }
   thread_local std::vector<int32_t> lists;  // reused call after call by the thread that runs the op
   thread_local std::vector<uint32_t> counts;
   thread_local std::vector<uint8_t> seen;
   thread_local std::vector<float> ranges;
+  thread_local std::unique_ptr<float[]> widened;  // uninitialised: only the rows some row sees are written
+  thread_local size_t widened_size = 0;
   const int64_t keys = c + t, rows = p.mask_heads * t;
   if (lists.size() < static_cast<size_t>(b * rows * keys)) lists.resize(b * rows * keys);
   counts.resize(b * rows);
@@ -785,8 +955,19 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
     }
     if (pairs >= kShared * distinct) {
       ranges.resize(b * hkv * keys);
-      Ranges work{&p, seen.data(), ranges.data()};
+      Problem wide = p;  // a float16 cache's seen rows in float32: [B, Hkv, C, D] and [B, Hkv, T, D], K then V
+      if (p.half()) {
+        const size_t size = 2 * b * hkv * keys * d;
+        if (widened_size < size) widened.reset(new (std::nothrow) float[size]), widened_size = widened ? size : 0;
+        if (!widened) return g_api.error("Attention: out of memory widening the float16 cache");
+        float* at = widened.get();
+        wide.past_key = at, wide.new_key = at + b * hkv * c * d;
+        wide.past_value = at + b * hkv * keys * d, wide.new_value = wide.past_value + b * hkv * c * d;
+        wide.half_kv = false;
+      }
+      Ranges work{&p, seen.data(), ranges.data(), p.half() ? &wide : nullptr};
       if (OrtStatus* s = g_api.parallel_for(ctx, range_task, static_cast<size_t>(b * hkv), &work)) return s;
+      p = wide;
       p.key_range = ranges.data();
     }
   }
@@ -801,12 +982,48 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   return attend(ctx, *static_cast<Kernel*>(op_kernel), in, dims);
 }
 
+int64_t elements(const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (int64_t x : dims) n *= x;
+  return n;
+}
+
+// The call's new keys and values (float32, `fresh` [B, Hkv, T, D]) rounded into outputs 1 and 2 (float16).
+OrtStatus* round_new_rows(OrtKernelContext* ctx, const float* const (&fresh)[2], const std::vector<int64_t>& dims,
+                          Half* (&out)[2]) {
+  for (size_t i = 0; i < 2; ++i) {
+    if (OrtStatus* s = g_api.output_data(ctx, 1 + i, dims, &out[i])) return s;
+    to_half(fresh[i], out[i], elements(dims));
+  }
+  return nullptr;
+}
+
+// AttentionHalfKV: inputs as Attention's, past_key and past_value float16; outputs the attention's output
+// and the new keys and values rounded to float16.
+OrtStatus* compute_half(void* op_kernel, OrtKernelContext* ctx) {
+  const float* in[6] = {};
+  const Half* past[2] = {};
+  std::vector<int64_t> dims[6];
+  for (size_t i : {0, 3, 4, 5})
+    if (OrtStatus* s = g_api.tensor(ctx, i, &in[i], &dims[i])) return s;
+  for (size_t i : {1, 2})
+    if (OrtStatus* s = g_api.tensor(ctx, i, &past[i - 1], &dims[i])) return s;
+  if (dims[3].size() != 4 || dims[4] != dims[3])
+    return g_api.error("AttentionHalfKV: new_key and new_value must be 4-D, [B,Hkv,T,D] alike");
+  Half* fresh[2] = {};
+  if (OrtStatus* s = round_new_rows(ctx, {in[3], in[4]}, dims[3], fresh)) return s;
+  const Half* half[4] = {past[0], past[1], fresh[0], fresh[1]};
+  return attend(ctx, *static_cast<Kernel*>(op_kernel), in, dims, half);
+}
+
 // RotaryAttention: the packed projection into heads (the queries in a buffer the call reuses, the new
-// keys and values into outputs 1 and 2), then the attention over them.
-OrtStatus* compute_rotary(void* op_kernel, OrtKernelContext* ctx) {
+// keys and values into outputs 1 and 2, or with a float16 cache into buffers and then rounded into the
+// outputs), then the attention over them.
+OrtStatus* rotary(void* op_kernel, OrtKernelContext* ctx, bool half_kv) {
   const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
   const int64_t hq = kernel.q_heads, hkv = kernel.kv_heads, heads = hq + 2 * hkv;
   const float* in[6] = {};
+  const Half* past[2] = {};
   std::vector<int64_t> dims[6], xd;
   if (OrtStatus* s = g_api.tensor(ctx, 0, &in[0], &xd)) return s;
   if (xd.size() != 3 || xd[2] % heads != 0 || (xd[2] / heads) % 2 != 0)
@@ -817,37 +1034,82 @@ OrtStatus* compute_rotary(void* op_kernel, OrtKernelContext* ctx) {
   if (OrtStatus* s = angles(ctx, 1, b, t, d, "RotaryAttention: cos and sin must be [B or 1, 1, T, D]", &cos, &sin,
                             &per_batch))
     return s;
-  for (auto [from, to] : {std::pair<size_t, size_t>{3, 1}, {4, 2}, {5, 5}})  // past_key, past_value, mask
-    if (OrtStatus* s = g_api.tensor(ctx, from, &in[to], &dims[to])) return s;
-  thread_local std::vector<float> query;  // reused call after call by the thread that runs the op
+  for (auto [from, to] : {std::pair<size_t, size_t>{3, 1}, {4, 2}})  // past_key, past_value
+    if (OrtStatus* s = half_kv ? g_api.tensor(ctx, from, &past[to - 1], &dims[to])
+                               : g_api.tensor(ctx, from, &in[to], &dims[to]))
+      return s;
+  if (OrtStatus* s = g_api.tensor(ctx, 5, &in[5], &dims[5])) return s;  // mask
+  thread_local std::vector<float> query, fresh;  // reused call after call by the thread that runs the op
   query.resize(b * hq * t * d);
   float* out[3] = {query.data(), nullptr, nullptr};
-  for (size_t i = 1; i < 3; ++i)
-    if (OrtStatus* s = g_api.output_data(ctx, i, {b, hkv, t, d}, &out[i])) return s;
+  const std::vector<int64_t> shape{b, hkv, t, d};
+  if (half_kv) {
+    fresh.resize(2 * b * hkv * t * d);
+    out[1] = fresh.data(), out[2] = fresh.data() + b * hkv * t * d;
+  } else {
+    for (size_t i = 1; i < 3; ++i)
+      if (OrtStatus* s = g_api.output_data(ctx, i, shape, &out[i])) return s;
+  }
   qkv_heads(in[0], b, t, hq, hkv, d, cos, sin, per_batch, out);
   in[0] = out[0], in[3] = out[1], in[4] = out[2];
   dims[0] = {b, hq, t, d};
-  dims[3] = dims[4] = {b, hkv, t, d};
-  return attend(ctx, kernel, in, dims);
+  dims[3] = dims[4] = shape;
+  if (!half_kv) return attend(ctx, kernel, in, dims);
+  Half* rounded[2] = {};
+  if (OrtStatus* s = round_new_rows(ctx, {out[1], out[2]}, shape, rounded)) return s;
+  const Half* half[4] = {past[0], past[1], rounded[0], rounded[1]};
+  return attend(ctx, kernel, in, dims, half);
 }
+
+OrtStatus* compute_rotary(void* op_kernel, OrtKernelContext* ctx) { return rotary(op_kernel, ctx, false); }
+OrtStatus* compute_rotary_half(void* op_kernel, OrtKernelContext* ctx) { return rotary(op_kernel, ctx, true); }
+
+// The HalfKV ops' types: inputs 3 and 4 (RotaryAttention) or 1 and 2 (Attention) and outputs 1 and 2 float16.
+OrtCustomOp half_kv_types(OrtCustomOp op, bool rotary) {
+  op.GetInputType = rotary ? [](const OrtCustomOp*, size_t i) { return i == 3 || i == 4 ? kFloat16 : kFloat; }
+                           : [](const OrtCustomOp*, size_t i) { return i == 1 || i == 2 ? kFloat16 : kFloat; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t i) { return i == 0 ? kFloat : kFloat16; };
+  return op;
+}
+
+OrtStatus* create_plain(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  return create(info, false, out);
+}
+OrtStatus* create_rotary(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  return create(info, true, out);
+}
+void destroy(void* k) { delete static_cast<Kernel*>(k); }
+int float_input(const OrtCustomOp*, size_t) { return kFloat; }
+size_t six(const OrtCustomOp*) { return 6; }
+size_t three(const OrtCustomOp*) { return 3; }
 
 }  // namespace
 
 const OrtCustomOp* attention_op() {
-  static const OrtCustomOp op = make_op(
-      [](const OrtCustomOp*) { return "Attention"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
-      [](const OrtCustomOp*) -> size_t { return 6; },
-      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, false, out); },
-      compute, [](void* k) { delete static_cast<Kernel*>(k); });
+  static const OrtCustomOp op =
+      make_op([](const OrtCustomOp*) { return "Attention"; }, float_input, six, create_plain, compute, destroy);
   return &op;
 }
 
 const OrtCustomOp* rotary_attention_op() {
-  static const OrtCustomOp op = make_op(
-      [](const OrtCustomOp*) { return "RotaryAttention"; }, [](const OrtCustomOp*, size_t) { return kFloat; },
-      [](const OrtCustomOp*) -> size_t { return 6; },
-      [](const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** out) { return create(info, true, out); },
-      compute_rotary, [](void* k) { delete static_cast<Kernel*>(k); }, [](const OrtCustomOp*) -> size_t { return 3; });
+  static const OrtCustomOp op = make_op([](const OrtCustomOp*) { return "RotaryAttention"; }, float_input, six,
+                                        create_rotary, compute_rotary, destroy, three);
+  return &op;
+}
+
+const OrtCustomOp* attention_half_kv_op() {
+  static const OrtCustomOp op = half_kv_types(
+      make_op([](const OrtCustomOp*) { return "AttentionHalfKV"; }, float_input, six, create_plain, compute_half,
+              destroy, three),
+      false);
+  return &op;
+}
+
+const OrtCustomOp* rotary_attention_half_kv_op() {
+  static const OrtCustomOp op = half_kv_types(
+      make_op([](const OrtCustomOp*) { return "RotaryAttentionHalfKV"; }, float_input, six, create_rotary,
+              compute_rotary_half, destroy, three),
+      true);
   return &op;
 }
 

@@ -33,7 +33,7 @@ struct OrtSessionOptions;
 
 constexpr uint32_t kApiVersion = 17;  // KernelContext_ParallelFor arrived in 1.17
 constexpr int kOrtFail = 1;          // OrtErrorCode
-constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
+constexpr int kFloat = 1, kUint8 = 2, kFloat16 = 10;  // ONNXTensorElementDataType
 constexpr int kRequired = 0, kOptional = 1;  // OrtCustomOpInputOutputCharacteristic
 
 struct OrtApiBase {
@@ -137,12 +137,13 @@ struct Api {
     return nullptr;
   }
   // Output i, allocated with `dims`.
-  OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, float** out) const {
+  template <typename T>
+  OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, T** out) const {
     OrtValue* v = nullptr;
     void* p = nullptr;
     if (OrtStatus* s = output(ctx, i, dims.data(), dims.size(), &v)) return s;
     if (OrtStatus* s = data(v, &p)) return s;
-    *out = static_cast<float*>(p);
+    *out = static_cast<T*>(p);
     return nullptr;
   }
 };
@@ -253,6 +254,8 @@ int64_t mx_preferred_layout();
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();
 const OrtCustomOp* rotary_attention_op();
+const OrtCustomOp* attention_half_kv_op();
+const OrtCustomOp* rotary_attention_half_kv_op();
 const OrtCustomOp* rotary_op();
 const OrtCustomOp* rotary_qkv_op();
 const OrtCustomOp* swiglu_op();

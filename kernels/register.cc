@@ -18,8 +18,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     if (!g_api.table) return;
     failed = g_api.fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.mxspd", &domain);
     for (const OrtCustomOp* op :
-         {mx_matmul_op(), mx_matmul_gpu_op(), row_matmul_op(), attention_op(), rotary_attention_op(), rotary_op(), rotary_qkv_op(),
-          swiglu_op()})
+         {mx_matmul_op(), mx_matmul_gpu_op(), row_matmul_op(), attention_op(), rotary_attention_op(), attention_half_kv_op(),
+          rotary_attention_half_kv_op(), rotary_op(), rotary_qkv_op(), swiglu_op()})
       if (!failed) failed = g_api.fn<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, op);
   });
   if (!g_api.table) return nullptr;  // cannot even report: ONNX Runtime older than 1.17

@@ -237,17 +237,22 @@ def test_swiglu_values_rows_and_paths(tmp_path):
     assert vector == avx2 == portable == y.tobytes()
 
 
-def test_rotary_qkv_is_the_split_and_the_two_rotary_ops():
-    """RotaryQKV on a packed q/k/v projection: the queries' and keys' Rotary outputs, bit for bit, and the
-    values as heads; a shape that does not split into its heads is refused."""
-    rng = np.random.default_rng(6)
-    b, t, hq, hkv, d = 1, 5, 6, 2, 8
+def rotary_qkv(rng: np.random.Generator, b: int, t: int, hq: int, hkv: int, d: int) -> tuple:
+    """A packed q/k/v projection, rotary angles' cos and sin, their shapes, and RotaryQKV's heads of them."""
     x = rng.standard_normal((b, t, (hq + 2 * hkv) * d)).astype(np.float32)
     angles = rng.uniform(-20, 20, (1, 1, t, d)).astype(np.float32)
     cos, sin = np.cos(angles), np.sin(angles)
     shapes = {"x": [b, t, None], "cos": [1, 1, t, d], "sin": [1, 1, t, d]}
-    q, k, v = session(single_op(kernels.ROTARY_QKV, shapes, ["q", "k", "v"], q_heads=hq, kv_heads=hkv)).run(
+    heads = session(single_op(kernels.ROTARY_QKV, shapes, ["q", "k", "v"], q_heads=hq, kv_heads=hkv)).run(
         None, {"x": x, "cos": cos, "sin": sin})
+    return x, cos, sin, shapes, heads
+
+
+def test_rotary_qkv_is_the_split_and_the_two_rotary_ops():
+    """RotaryQKV on a packed q/k/v projection: the queries' and keys' Rotary outputs, bit for bit, and the
+    values as heads; a shape that does not split into its heads is refused."""
+    b, t, hq, hkv, d = 1, 5, 6, 2, 8
+    x, cos, sin, shapes, (q, k, v) = rotary_qkv(np.random.default_rng(6), b, t, hq, hkv, d)
 
     def rotary(part: np.ndarray, heads: int) -> np.ndarray:
         model = single_op(kernels.ROTARY, shapes, ["y"], heads=heads)

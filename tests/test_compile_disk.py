@@ -84,8 +84,8 @@ def _build(out: Path, tlm: Path, monkeypatch: pytest.MonkeyPatch, lean: bool) ->
     real_lower, real_optimize, real_merge = build._lower, build._optimize, build.merge_external
     real_compile = pipeline.compile_artifact
 
-    def lower(export_dir, name, lowering, invariant, shared, memo):
-        result = real_lower(export_dir, name, lowering, invariant, shared, memo)
+    def lower(export_dir, name, lowering, invariant, shared, memo, *rest):
+        result = real_lower(export_dir, name, lowering, invariant, shared, memo, *rest)
         seen["shared"] = shared
         seen["lowered"].append(result[0])
         return result

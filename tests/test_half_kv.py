@@ -193,3 +193,19 @@ def test_the_export_cli_sets_the_cache_type_and_states_its_memory(checkpoints, t
     dims = runtime.load_artifact(tmp_path / "a").manifest.models["tlm"].dims  # 2 layers, 2 KV heads of 16
     assert f"KV cache: 64 slots, {64 * 2 * 2 * 2 * 16 * 2 / 2**20:.1f} MiB (tlm float16, 0.2 KiB a slot)" in \
         capsys.readouterr().out and dims.kv_dtype == "float16"
+
+
+def test_a_plain_attention_gets_its_rounded_rows_to_the_graph_outputs(checkpoints, tmp_path):
+    """CodeGen (partial rotary: its attention stays a plain Attention, whose new keys and values another node
+    wrote as the graph's outputs): the compiler reroutes them through AttentionHalfKV's rounded outputs, the
+    cache is float16, and prompt lookup still gives plain decoding's tokens."""
+    recipe = replace(tiny_recipe(dlm=None), kv_cache="float16")
+    built = build_artifact(recipe, tmp_path / "cg", tlm=str(checkpoints["codegen"]), progress=False)
+    art = runtime.load_artifact(built)
+    graph = onnx.load(str(tmp_path / "cg" / "tlm" / "decode.onnx"), load_external_data=False).graph
+    assert kernels.ATTENTION_HALF_KV in {n.op_type for n in graph.node}
+    assert all(o.type.tensor_type.elem_type == H for o in graph.output if o.name.startswith("new_"))
+    prompt = [0, 17, 99, 42, 8, 250, 31, 64, 5, 77, 12, 17, 99, 42]
+    plain = runtime.generate(art, prompt, max_new_tokens=30, speculative=False).token_ids
+    assert runtime.generate(art, prompt, max_new_tokens=30, speculative="prompt_lookup").token_ids == plain
+    assert art.tlm.place.cache[0].dtype == np.float16

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from runtime.artifact import Artifact
+from runtime.engine import check_fits, make_requests
 from runtime.forest import Forest
 from runtime.load import load_artifact
-from runtime.multi import MultiMetrics, check_capacity
+from runtime.multi import MultiMetrics
 from runtime.request import check_int, check_optional_bool, decoding, encode_prompt
 
 NEG = np.float32(-1e9)  # transformers' "never choose this" score
@@ -139,7 +140,7 @@ def beam_search(
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     ids = encode_prompt(art, prompt, chat)
     max_new = d.new_tokens(art)
-    check_capacity(art, len(ids), [0] * num_beams, max_new, "beams")
+    check_fits(art, make_requests(art, ids, [d] * num_beams, [None] * num_beams), "beams")  # as n choices
     start = time.perf_counter()
     with art.exclusive():
         calls = art.tlm.calls

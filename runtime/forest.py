@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common import graph_io
 from runtime.model_runner import ModelRunner
 from runtime.prefix_cache import PrefixCache
 
@@ -70,7 +71,7 @@ class Forest:
         """A new branch that sees these slots (positions 0.. in this order)."""
         view = np.zeros(self.runner.context, dtype=bool)
         view[order] = True
-        branch = Branch(view, order)
+        branch = Branch(view, list(order))
         self.live.append(branch)
         return branch
 
@@ -113,7 +114,9 @@ class Forest:
         A row sees its branch's view and the rows of its own chain that `sees[i]` (bool [n_i, n_i],
         default causal: a chain; a token tree with auxiliary rows: Proposal.rows) names. All rows go
         in the cheapest calls by the compiler's measured costs (runner.plan); a row that sees rows of
-        an earlier call sees their slots. check=False: NaN/Inf rows are returned, not raised.
+        an earlier call sees their slots; a prefill call that keeps no row's logits but its last runs the
+        graph that computes the last row's alone (PREFILL_LAST: the LM head once, not per row).
+        check=False: NaN/Inf rows are returned, not raised.
         """
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
@@ -141,10 +144,13 @@ class Forest:
             cache_sees = np.stack([branches[b].view for b in o])
             cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
             call_sees = every[rows[0] : s, rows[0] : s]
+            wanted = rows[rows >= first_kept[o]]
+            if graph == graph_io.PREFILL and (wanted == rows[-1]).all():  # a prompt chunk: the last row's logits
+                graph = self.runner.prefill_graph
             logits = self.runner.run_rows(graph, tokens[rows], cache_sees, call_sees, check)
             self.runner.store(rows - rows[0], slots[rows])
-            for r in rows[rows >= first_kept[o]]:
-                out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0]]
+            for r in wanted:
+                out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0] if len(logits) == n else 0]
         for b, branch in enumerate(branches):
             mine = slots[start[b] : start[b] + lengths[b]]
             branch.view[mine] = True

@@ -115,7 +115,7 @@ class ModelRunner:
 
     def _every_row(self) -> list[tuple[str, GraphEntry]]:
         """The graphs that return every row's logits, which any call may run (PREFILL_LAST returns the last
-        row's alone: only `prefill` runs it, as `prefill_graph`)."""
+        row's alone: `prefill` and the forest's prompt chunks run it in PREFILL's place, as `prefill_graph`)."""
         return [(name, g) for name, g in self.entries.items() if graph_io.logit_rows(name, g.tokens) == g.tokens]
 
     def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None, fetch: bool = True

@@ -1,29 +1,29 @@
 """MultiDecode: several sequences decoded together, one TLM call per step, over one shared cache.
 
 Parallel sampling (`n` completions of one prompt, prefilled once) and several questions over one
-context (or several unrelated prompts) are the same loop: every live branch feeds its newest token
-as one row of a single call (runtime/forest.py), and each branch samples from its own row with its
-own random stream. Branch i of a request with seed s draws from default_rng(s + i) exactly as a
-single generation with seed s + i does, so it reproduces alone:
-`generate(art, prompt, do_sample=True, seed=s + i, speculative=False)`. Speculation is per sequence,
-so MultiDecode does not speculate; its speed comes from the branches sharing each call.
+context (or several unrelated prompts) are requests of the engine (runtime/engine.py): every live
+branch feeds its newest token as one row of a single call, and each branch samples from its own
+row with its own random stream; a shared prompt or context is prefilled once and forked. Branch i
+of a request with seed s draws from default_rng(s + i) exactly as a single generation with seed
+s + i does, so it reproduces alone: `generate(art, prompt, do_sample=True, seed=s + i,
+speculative=False)`. Speculation is per sequence, so MultiDecode does not speculate; its speed
+comes from the branches sharing each call.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from runtime.artifact import Artifact
-from runtime.forest import Branch, CapacityError, Forest
+from runtime.engine import Engine, Event, Request, check_fits, make_requests
 from runtime.load import load_artifact
 from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
-from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
-from runtime.sampling import next_token
+from runtime.results import GenerationResult, Metrics, TextPieces
 
 
 @dataclass
@@ -45,82 +45,61 @@ class MultiResult:
     metrics: MultiMetrics
 
 
-def check_capacity(art: Artifact, shared: int, own: Sequence[int], max_new_tokens: int, what: str) -> None:
-    """Refuse up front a request whose branches cannot all reach max_new_tokens in the cache, or whose
-    longest branch would pass the context length."""
-    longest = shared + max(own, default=0) + max_new_tokens - 1  # positions its last fed token needs
-    if longest > art.manifest.context_length:
-        raise CapacityError(f"{shared} prompt tokens + {max(own, default=0)} of the longest of the {what} + "
-                            f"{max_new_tokens - 1} new tokens = {longest} positions, past the context length "
-                            f"{art.manifest.context_length}: lower max_new_tokens or shorten the prompt")
-    context = art.manifest.capacity
-    fed = len(own) * (max_new_tokens - 1)  # every new token but each branch's last enters the cache
-    need = shared + sum(own) + fed
-    if need > context:
-        parts = [f"{shared} shared prompt tokens"] if shared else []
-        parts += [f"{sum(own)} tokens of {len(own)} {what}"] if sum(own) else []
-        parts += [f"{len(own)} {what} x {max_new_tokens - 1} new tokens"]
-        raise CapacityError(
-            f"{' + '.join(parts)} = {need} cache slots, but the artifact's cache holds {context} "
-            f"(its kv_slots): lower the number of {what} or max_new_tokens, or export with more "
-            "kv_slots in the recipe"
-        )
-
-
 class MultiGeneration:
-    """Branches decoded together: iterate for (branch, token) as they come; `.result` when all end."""
+    """Sequences decoded together by the engine: iterate for (sequence, token) as they come; `.result`
+    when all end. `context` (may be empty) is prefilled once and forked by every sequence; sequence i
+    then feeds `chains[i]` (none: it starts from the context's last logits) and samples with seed + i."""
 
     def __init__(self, art: Artifact, context: list[int], chains: list[list[int]], n: int, max_new_tokens: int,
-                 d: Decoding) -> None:
+                 d: Decoding, what: str) -> None:
         self.art, self.context, self.chains, self.n = art, context, chains, n
-        self.max_new_tokens, self.params, self.stop = max_new_tokens, d.params, d.stop
         base = int(np.random.SeedSequence().entropy % 2**31) if d.seed is None else d.seed
         self.seeds = [base + i for i in range(n)]
         self.result: MultiResult | None = None
+        self.events: list[tuple[int, Event]] = []
+        own = [replace(d, max_new_tokens=max_new_tokens, seed=s) for s in self.seeds]
+        listeners = [lambda e, i=i: self.events.append((i, e)) for i in range(n)]
+        if chains:  # each its own prompt, after a shared context prefilled once (by a request that generates nothing)
+            self.group = [Request(context + c, o.with_recipe(art), max_new_tokens, f)
+                          for c, o, f in zip(chains, own, listeners, strict=True)]
+            if context:
+                lead = Request(list(context), d.with_recipe(art), 0, lambda e: None)
+                for r in self.group:
+                    r.leader = lead
+                self.group.insert(0, lead)
+        else:
+            self.group = make_requests(art, context, own, listeners)
+        check_fits(art, self.group, what)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         with self.art.exclusive():
             yield from self._run()
 
-    def _start(self, forest: Forest) -> tuple[list[Branch], np.ndarray]:
-        """Prefill the shared context once, then each branch's own tokens (masked from the others)."""
-        root, logits = forest.root(np.asarray(self.context, dtype=np.int64) if self.context else None)
-        branches = [forest.fork(root) for _ in range(self.n)]
-        forest.release(root)
-        if self.chains:
-            return branches, forest.extend(branches, self.chains)
-        return branches, np.repeat(logits[None], self.n, axis=0)
-
     def _run(self) -> Iterator[tuple[int, int]]:
         start = time.perf_counter()
-        tlm = self.art.tlm
-        calls0, steps = tlm.calls, 0
-        forest = Forest(tlm)
-        branches, logits = self._start(forest)
-        rngs = [np.random.default_rng(s) for s in self.seeds]
+        engine = Engine(self.art, prefix_cache=False)
+        engine.add(self.group)
         ids: list[list[int]] = [[] for _ in range(self.n)]
         finish: list[str | None] = [None] * self.n
         ended = [0.0] * self.n
-        live, ttft = list(range(self.n)), 0.0
-        while live:
-            fed = []
-            for row, i in enumerate(live):
-                ids[i].append(next_token(logits[row], self.params, rngs[i]))
-                yield i, ids[i][-1]
-                # (the capacity check leaves room for every branch's max_new_tokens: the context never fills)
-                finish[i] = finish_reason(self.art, ids[i], self.stop, self.max_new_tokens)
-                if finish[i]:
-                    forest.release(branches[i])
-                    ended[i] = time.perf_counter() - start
+        ttft, first_step = 0.0, 0
+        while engine.busy:
+            engine.admit()
+            engine.step()
+            for i, event in self.events:
+                if event.token is not None:
+                    ids[i].append(event.token)
+                    yield i, event.token
                 else:
-                    fed.append(i)
-            ttft = ttft or time.perf_counter() - start
-            live = fed
-            if live:
-                logits = forest.extend([branches[i] for i in live], [[ids[i][-1]] for i in live])
-                steps += 1
+                    finish[i], ended[i] = event.finish, time.perf_counter() - start
+                    if event.error:
+                        raise RuntimeError(event.error)
+            self.events.clear()
+            if not ttft and all(ids):
+                ttft, first_step = time.perf_counter() - start, engine.stats["steps"]
         total = time.perf_counter() - start
-        self.result = self._result(ids, finish, ended, ttft, total, steps, tlm.calls - calls0)
+        steps = engine.stats["steps"] - first_step  # decode steps: after every sequence's first token
+        self.result = self._result(ids, finish, ended, ttft, total, steps, engine.stats["calls"])
 
     def _result(self, ids: list[list[int]], finish: list, ended: list[float], ttft: float, total: float,
                 steps: int, calls: int) -> MultiResult:
@@ -161,8 +140,7 @@ def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int],
         raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
                          "n samples, or use beam_search() for the n best sequences")
     ids, max_new = encode_prompt(art, prompt, chat), d.new_tokens(art)
-    check_capacity(art, len(ids), [0] * n, max_new, "branches")
-    return MultiGeneration(art, ids, [], n, max_new, d)
+    return MultiGeneration(art, ids, [], n, max_new, d, "branches")
 
 
 def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
@@ -181,8 +159,7 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
         shared = encode_prompt(art, context, chat=False)
         chains = [_continuation_ids(art, q, i) for i, q in enumerate(questions)]
         encode_prompt(art, shared + max(chains, key=len), chat=False)  # the longest context + question fits
-    check_capacity(art, len(shared), [len(c) for c in chains], max_new, "questions")
-    return MultiGeneration(art, shared, chains, len(chains), max_new, d)
+    return MultiGeneration(art, shared, chains, len(chains), max_new, d, "questions")
 
 
 def _continuation_ids(art: Artifact, question: str | Sequence[int], i: int) -> list[int]:

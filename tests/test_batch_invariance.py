@@ -147,8 +147,8 @@ def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, t
 def test_concurrent_server_requests_equal_autoregressive_on_mxfp6(flat, checkpoints, tmp_path_factory, fmt,
                                                                   monkeypatch):
     """The scheduler (the server's engine): speculating and plain greedy requests in shared calls."""
+    from runtime.batch_policy import BatchDraftPolicy
     from runtime.request import batched_speculation, decoding
-    from serve.batch_policy import BatchDraftPolicy
     from serve.scheduler import Scheduler
 
     monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)

@@ -323,7 +323,7 @@ def test_beam_search_with_mx_runs_and_shares_prefixes(mx, fewest_calls):
     (lambda a: runtime.generate(a, PROMPT, n=3), "do_sample=True"),
     (lambda a: runtime.generate(a, PROMPT, n=2, do_sample=True, speculative="lookahead"), "speculative"),
     (lambda a: runtime.generate(a, PROMPT, n=4, do_sample=True, max_new_tokens=40),
-     r"6 shared prompt tokens \+ 4 branches x 39 new tokens = 162 cache slots, but the artifact's cache holds 160"),
+     r"6 prompt tokens \+ 4 branches x 39 new tokens = 162 cache slots, but the cache holds 160"),
     (lambda a: runtime.beam_search(a, PROMPT, num_beams=0), "num_beams must be >= 1"),
     (lambda a: runtime.beam_search(a, PROMPT, num_beams=2, num_return_sequences=3), "cannot exceed num_beams"),
     (lambda a: runtime.beam_search(a, PROMPT, num_beams=2, length_penalty=float("nan")), "length_penalty"),

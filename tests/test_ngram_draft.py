@@ -208,8 +208,8 @@ def test_the_build_command_answers_counts_and_writes_a_record(artifact_dir, tmp_
 
 
 def test_the_server_scheduler_drafts_from_the_table_too(with_table, monkeypatch):
+    from runtime.batch_policy import BatchDraftPolicy
     from runtime.request import batched_speculation, decoding
-    from serve.batch_policy import BatchDraftPolicy
     from serve.scheduler import Scheduler
 
     monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)

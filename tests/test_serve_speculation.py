@@ -7,10 +7,10 @@ from fastapi.testclient import TestClient
 
 import runtime
 from export.pipeline import build_artifact
+from runtime.batch_policy import BatchDraftPolicy
 from runtime.forest import CapacityError, Forest
 from runtime.request import batched_speculation, decoding
 from serve.app import create_app
-from serve.batch_policy import BatchDraftPolicy
 from serve.scheduler import Scheduler
 from tests.conftest import set_costs, tiny_recipe
 

@@ -1,0 +1,447 @@
+"""The engine step: every batched way of generating produces its tokens here.
+
+Each admitted request is one branch of the forest over the shared KV cache (runtime/forest.py).
+`Engine.step()` feeds every running request's newest token (and its drafts) as rows of the cheapest
+calls the graphs allow, then chooses each request's next tokens from its own rows with its own
+random stream, and emits them (`Event`s to the request's listener). MultiDecode (runtime/multi.py)
+and the server's scheduler (serve/scheduler.py, the queue and the thread) both drive it.
+
+    admit ─► cancelled out ─► drafts (_propose) ─► one call: running rows + prompt chunks ─►
+    fork followers ─► verify / sample each request ─► emit events ─► finish (keep or free KV)
+
+Prompts are prefilled in chunks (chunked prefill): a step's rows left after the running requests',
+up to the largest graph's (and at least a quarter of it), go to the waiting prompts in admission
+order, so an arrival never stalls the running streams for more than a call; a prompt's first token
+comes from the step that feeds its last chunk. Requests join and leave between steps. One capacity
+rule (`check_fits`, `Request.need`): a request is admitted only when the cache has room for its
+prompt and all its new tokens besides what the admitted requests may still need, so a running
+request never runs out of slots.
+
+A request may follow a leader (another request whose prompt begins its own: the choices of one
+prompt, or the questions over one context): it forks the leader's branch once the leader's prompt is
+in the cache, so the shared tokens are prefilled once.
+
+A request may speculate (request.Speculation): its row chain is then its newest token plus this
+round's drafts, scored in the same call as everyone else's rows, verified exactly
+(runtime/rejection.py), and its rejected rows are trimmed from its branch. Draft-model drafts
+come from a second forest over the DLM's cache, every drafting request's i-th draft in one call.
+
+With the prefix cache (batch-invariant artifacts), a finished request's KV stays in the forest, and
+a new request whose prompt starts with cached tokens (a chat's system prompt and earlier turns)
+prefills only the rest; its output is bitwise the same as a cold run's.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.artifact import Artifact
+from runtime.batch_policy import BatchDraftPolicy
+from runtime.draft_policy import judged
+from runtime.forest import Branch, CapacityError, Forest
+from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
+from runtime.lookahead import Lookahead, LookaheadPolicy
+from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
+from runtime.proposal import Proposal
+from runtime.rejection import verify_round
+from runtime.request import Decoding, Speculation
+from runtime.results import finish_reason
+from runtime.sampling import argmax_rows, next_token, sample, warp
+
+NONE = Proposal()  # a plain step
+NON_FINITE = ("NonFiniteLogitsError: the model produced NaN/Inf logits for this request (damaged weights, or "
+              "values overflowing the weight format)")
+
+
+@dataclass
+class Event:
+    token: int | None = None  # a new token, or None with `finish` set (the last event)
+    finish: str | None = None  # "eos", "stop", "length", "cancelled" or "error"
+    error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, where the request asked for log probabilities
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    decoding: Decoding  # with the recipe's values applied
+    max_new_tokens: int
+    listener: Callable[[Event], None]
+    queue: queue.Queue[Event] = field(default_factory=queue.Queue)
+    rng: np.random.Generator = field(init=False)
+    tokens: list[int] = field(default_factory=list)
+    branch: Branch | None = None
+    leader: Request | None = None  # a request whose prompt begins this one's: this one forks its prefilled branch
+    spec: Speculation | None = None
+    dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
+    dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
+    drafter: Lookahead | None = None  # speculation "lookahead": its Jacobi window and n-gram pool
+    cancelled: bool = False
+    logprobs: int | None = None  # report each new token's log probability and this many alternatives
+    echo: bool = False  # also every prompt token's (but the first's): prompt_logprobs, set before the first event
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached: int = 0  # prompt tokens found in the prefix cache (not prefilled)
+    submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.decoding.seed)
+
+    def events(self) -> Iterator[Event]:
+        """The request's events as they come (when it was made without a listener of its own)."""
+        while True:
+            event = self.queue.get()
+            yield event
+            if event.finish is not None:
+                return
+
+    @property
+    def shared(self) -> int:
+        """Prompt tokens its leader holds for it."""
+        return 0 if self.leader is None else len(self.leader.prompt)
+
+    @property
+    def need(self) -> int:
+        """Cache slots this request may still take: its prompt (but what a leader holds), every new
+        token but the last, and room for a round's drafts scored past its last token."""
+        used = self.branch.length - self.shared if self.branch is not None else 0
+        return len(self.prompt) - self.shared + max(self.max_new_tokens, 1) - 1 + self.spare - used
+
+    @property
+    def dlm_need(self) -> int:
+        """The same in the DLM's cache (no prompt is shared there)."""
+        if self.spec is None or self.spec.method != "draft":
+            return 0
+        used = self.dlm_branch.length if self.dlm_branch is not None else 0
+        return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
+
+    @property
+    def spare(self) -> int:
+        return self.spec.k if self.spec is not None else 0
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent queued, to the first token, per later token and in all (those that apply)."""
+        out = {"queue_s": (self.admitted or self.finished or 0.0) - self.submitted,
+               "e2e_s": (self.finished or 0.0) - self.submitted}
+        if self.first_token is not None:
+            out["ttft_s"] = self.first_token - self.submitted
+            if len(self.tokens) > 1:
+                out["tpot_s"] = (self.finished - self.first_token) / (len(self.tokens) - 1)
+        return out
+
+
+def make_requests(art: Artifact, prompt: list[int], decodings: list[Decoding],
+                  listeners: list[Callable[[Event], None] | None], spec: Speculation | None = None,
+                  logprobs: int | None = None, echo: bool = False) -> list[Request]:
+    """The choices of one prompt (OpenAI's `n`): the first leads, the others fork its prefilled prompt."""
+    requests: list[Request] = []
+    for d, listener in zip(decodings, listeners, strict=True):
+        req = Request(list(prompt), d.with_recipe(art), d.new_tokens(art), listener or (lambda e: None),
+                      leader=requests[0] if requests else None, spec=spec, logprobs=logprobs, echo=echo)
+        if listener is None:
+            req.listener = req.queue.put
+        requests.append(req)
+    return requests
+
+
+def check_fits(art: Artifact, group: list[Request], what: str = "choices") -> None:
+    """The one capacity rule, applied before any work: every request of a group (admitted together)
+    within the context length, and all of them together within the cache's slots, the DLM's too."""
+    most = art.manifest.context_length
+    for r in group:
+        if len(r.prompt) + max(r.max_new_tokens, 1) - 1 > most:
+            raise CapacityError(f"{len(r.prompt)} prompt tokens + {r.max_new_tokens} new tokens need "
+                                f"{len(r.prompt) + r.max_new_tokens - 1} positions, past the context length {most}: "
+                                "lower max_new_tokens or shorten the prompt")
+    c = art.manifest.capacity
+    for cache, need in (("cache", sum(r.need for r in group)), ("draft model's cache", sum(r.dlm_need for r in group))):
+        if need > c:
+            prompts = sum(len(r.prompt) - r.shared for r in group)  # a leader's tokens once
+            k, new = sum(r.max_new_tokens > 0 for r in group), max(r.max_new_tokens for r in group)
+            drafts = f" and {group[0].spare} drafts" if group[0].spare else ""
+            raise CapacityError(
+                f"{prompts} prompt tokens + {k} {what} x {max(new, 1) - 1} new tokens{drafts} = {need} cache "
+                f"slots, but the {cache} holds {c} (the recipe's kv_slots): lower the new tokens, the number of "
+                f"{what} or the draft length, or export with more kv_slots")
+
+
+class Engine:
+    def __init__(self, art: Artifact, max_batch: int | None = None, prefix_cache: bool | None = None) -> None:
+        """`prefix_cache` (default: on when the artifact is batch invariant) reuses finished requests'
+        KV for later prompts that start with the same tokens, the draft model's too."""
+        invariant = art.manifest.models["tlm"].batch_invariant
+        if prefix_cache and not invariant:
+            raise ValueError("the prefix cache needs a batch-invariant artifact (KV reused from another call "
+                             "must equal a cold prefill bit for bit): rebuild with batch_invariant = true")
+        self.prefix_cache = invariant if prefix_cache is None else prefix_cache
+        self.art = art
+        self.max_batch = max_batch or art.manifest.capacity
+        self.forest = Forest(art.tlm, prefix_cache=self.prefix_cache)
+        self.dlm: Forest | None = None
+        if "dlm" in art.runners:
+            self.dlm = Forest(art.dlm, prefix_cache=self.prefix_cache and art.manifest.models["dlm"].batch_invariant)
+        self.waiting: deque[list[Request]] = deque()  # groups: requests admitted together
+        self.live: list[Request] = []
+        self.on_finish: Callable[[Request], None] | None = None
+        self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
+                          drafted=0, accepted=0, prompt_tokens=0, cached_prompt_tokens=0, draft_cached_tokens=0,
+                          prefix_cache_tokens=0, prefix_cache_evicted=0)
+        self.policy = BatchDraftPolicy(self._call_ms)
+        # A batch's policy pools acceptance over every request, so it cannot decline a poor kind of draft
+        # as a single generation's does: the table drafts here only at confidences that were right at
+        # least half the time on held-out answers (0.7 and above for the default recipe's table).
+        priors = table_priors(art.ngram_table)
+        self._table_kinds = {kind for kind, right in priors.items() if kind >= TABLE_KIND and right >= 0.5}
+        self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
+
+    def add(self, group: list[Request]) -> None:
+        """Queue requests admitted together or not at all (checked with `check_fits` first)."""
+        self.waiting.append(group)
+        self.stats["requests"] += len(group)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.live)
+
+    def run(self) -> None:
+        """Step until every request has finished (the offline callers')."""
+        while self.busy:
+            self.admit()
+            self.step()
+
+    def admit(self) -> None:
+        """Move waiting requests in while the cache can hold all they may need."""
+        forest, dlm = self.forest, self.dlm
+        room = forest.free_slots() - sum(r.need for r in self.live)
+        dlm_room = dlm.free_slots() - sum(r.dlm_need for r in self.live) if dlm is not None else 0
+        while self.waiting and len(self.live) < self.max_batch:
+            group = [r for r in self.waiting[0] if not r.cancelled]
+            for req in self.waiting[0]:
+                if req.cancelled:
+                    req.listener(Event(finish="cancelled"))
+            if group and group[0].leader is not None:  # its leader was cancelled: the next one leads
+                group[0].leader = None
+                for req in group[1:]:
+                    req.leader = group[0] if req.prompt[: len(group[0].prompt)] == group[0].prompt else None
+            hit = forest.cached_prefix(group[0].prompt) if group and not group[0].echo else []
+            newly_pinned = int((~forest.pinned()[hit]).sum())  # cached slots no live request sees yet
+            need = sum(r.need for r in group) - len(hit) + newly_pinned
+            dlm_need = sum(r.dlm_need for r in group)
+            if group and (need > room or dlm_need > dlm_room):
+                self.waiting[0] = group
+                break  # first come, first served: no overtaking that could starve a long request
+            self.waiting.popleft()
+            room, dlm_room = room - need, dlm_room - dlm_need
+            if group:
+                self.stats["prompt_tokens"] += len(group[0].prompt)
+                self.stats["cached_prompt_tokens"] += len(hit)
+            for req in group:
+                if req.leader is None:
+                    req.branch = forest.attach(hit)
+                    req.cached = len(hit)
+                req.admitted = time.perf_counter()
+                self.live.append(req)
+
+    def fail(self, error: str) -> None:
+        """End every live request with an error (a step that raised)."""
+        for req in list(self.live):
+            self._finish(req, "error", error)
+
+    def step(self) -> None:
+        """One call (or a few) for every live request: the newest token (and this round's drafts) of the
+        running ones, then the next chunks of the prompts still being prefilled."""
+        forest, dlm = self.forest, self.dlm
+        start, calls = time.perf_counter(), self.art.tlm.calls
+        dlm_calls, self._predicted_ms = dlm.runner.calls if dlm else 0, 0.0
+        accepted = self.stats["accepted"]
+        for req in [r for r in self.live if r.cancelled]:
+            self._finish(req, "cancelled")
+        for req in self.live:  # a follower whose leader went away before sharing its prompt: on its own
+            if req.branch is None and req.leader not in self.live:
+                req.leader, req.branch = None, forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
+                req.cached = req.branch.length
+        running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
+        proposals = self._propose([r for r in running if r.spec])
+        fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
+        for req in running:
+            tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1])
+            fed.append(req)
+            chains.append(list(tokens))
+            sees.append(tree)
+            keep.append(len(tokens))  # drafts: every row's logits
+        budget = max(forest.max_rows // 4, forest.max_rows - sum(map(len, chains)))
+        chunk_at = {}  # an echoing request's chunk: its first position
+        for req in [r for r in self.live if r.branch is not None and _prefilling(r)]:
+            if budget <= 0:
+                break
+            n = min(budget, len(req.prompt) - req.branch.length)
+            fed.append(req)
+            chains.append(req.prompt[req.branch.length : req.branch.length + n])
+            sees.append(None)
+            keep.append(n if req.echo else 1)  # the chunk's last row: the prompt's logits once it is the last chunk
+            chunk_at[id(req)] = req.branch.length
+            budget -= n
+        if not fed:
+            return
+        self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
+        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
+        rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
+        for req in [r for r in fed if id(r) in chunk_at and r.echo]:  # row j: the prompt's next token's
+            at, rows = chunk_at[id(req)], rows_of[id(req)][0]
+            scored = rows[: len(req.prompt) - 1 - at]
+            if not np.isfinite(scored).all():
+                self._finish(req, "error", NON_FINITE)
+                continue
+            req.prompt_logprobs += token_logprobs(scored, req.prompt[at + 1 : at + 1 + len(scored)], req.logprobs or 0)
+        for req in self.live:  # followers fork their leader's prefilled prompt (the same prompt: its logits too)
+            lead = req.leader
+            if req.branch is None and id(lead) in rows_of and lead in self.live and not _prefilling(lead):
+                req.branch, req.cached = forest.fork(lead.branch), lead.cached
+                if len(req.prompt) == len(lead.prompt):
+                    rows_of[id(req)] = rows_of[id(lead)]
+                    req.prompt_logprobs = lead.prompt_logprobs
+        tokens, tested = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
+                                    proposals)
+        elapsed = time.perf_counter() - start
+        all_calls = self.art.tlm.calls - calls + (dlm.runner.calls - dlm_calls if dlm else 0)
+        self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3, self._predicted_ms, all_calls)
+        self.stats["tokens"] += tokens
+        self.stats["steps"] += 1
+        self.stats["calls"] += self.art.tlm.calls - calls
+        self.stats["busy_s"] += elapsed
+        if forest.cache is not None:
+            self.stats["prefix_cache_tokens"] = forest.cache.tokens
+            self.stats["prefix_cache_evicted"] = forest.cache.evicted
+
+    def _emit(self, done: list[Request], rows_of: dict, proposals: dict[int, Proposal]) -> tuple[int, int]:
+        """Verify (drafts) or sample (a plain row) each request's next tokens, emit them, finish those that
+        stop. Returns the tokens emitted and the drafts the TLM judged."""
+        now, tokens, tested = time.perf_counter(), 0, 0
+        for req in done:
+            (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
+            if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
+                self._finish(req, "error", NON_FINITE)
+                continue
+            if req.max_new_tokens == 0:  # scored its prompt (echo) or prefilled a shared context: generates nothing
+                self._finish(req, "length")
+                continue
+            choosers = [len(rows) - 1]  # the row each emitted token was chosen from
+            if not proposal.empty:
+                call, parents, _ = proposal.rows(req.tokens[-1])
+                path, nxt = verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
+                rejected = np.ones(len(call), dtype=bool)
+                rejected[[0, *path]] = False
+                self.forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV
+                if req.dlm_fed is not None:
+                    self.dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
+                emitted, choosers = [*call[path].tolist(), nxt], [0, *path]
+                if req.drafter is not None:
+                    req.drafter.observe(proposal, len(path), emitted, argmax_rows(rows), 0.0)
+                self.stats["drafted"] += len(proposal.tokens)
+                self.stats["accepted"] += len(path)
+                tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")
+            else:
+                emitted = [next_token(rows[-1], req.decoding.params, req.rng)]
+            req.first_token = req.first_token or now
+            for token, row in zip(emitted, choosers, strict=True):
+                req.tokens.append(token)
+                tokens += 1
+                lp = None if req.logprobs is None else token_logprob(rows[row], token, req.logprobs)
+                req.listener(Event(token=token, logprob=lp))
+                reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
+                if reason:
+                    self._finish(req, reason)
+                    break
+        return tokens, tested
+
+    def _propose(self, reqs: list[Request]) -> dict[int, Proposal]:
+        """This round's drafts of each speculating request: prompt lookup's match or n-gram table
+        guesses, or a chain sampled from the DLM with every drafting request's i-th draft in one call."""
+        forest, dlm = self.forest, self.dlm
+        out, drafting = {}, []
+        greedy = [r for r in reqs if not r.decoding.params.do_sample]  # sampled ones keep their fixed length
+        k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
+                                      max(r.spec.k for r in greedy)) if greedy else 0
+        for req in reqs:
+            room = min(req.spec.k if req.decoding.params.do_sample else k_greedy,
+                       forest.runner.max_length - 1 - req.branch.length)
+            if req.spec.method == "prompt_lookup":
+                s = req.spec.settings
+                _, found = draft(req.prompt + req.tokens, s, self.art.ngram_table, self._table_kinds)
+                out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
+            elif req.spec.method == "lookahead":  # a window step, unless the batch policy says a plain one
+                if req.drafter is None:
+                    req.drafter = Lookahead(req.spec.settings, LookaheadPolicy({1: 1.0}, 1.0, 0.0, fixed=1))
+                    req.drafter.start(req.prompt + req.tokens)
+                if room:
+                    out[id(req)] = req.drafter.propose(req.prompt + req.tokens,
+                                                       forest.runner.max_length - 1 - req.branch.length)
+            elif k := req.spec.length(room):
+                drafting.append((req, k))
+        if not drafting:
+            return out
+        for req, _ in drafting:
+            if req.dlm_branch is None:  # the draft model's KV of a cached prefix is reused too
+                hit = dlm.cached_prefix(req.prompt + req.tokens)
+                req.dlm_branch = dlm.attach(hit)
+                self.stats["draft_cached_tokens"] += len(hit)
+            req.dlm_fed = None
+        drafts = {id(r): ([], []) for r, _ in drafting}  # tokens, q
+        chains = [(req.prompt + req.tokens)[req.dlm_branch.length:] for req, _ in drafting]  # catch up first
+        for i in range(max(k for _, k in drafting)):
+            self._predicted_ms += self._call_ms("dlm", sum(map(len, chains)))[0]
+            rows, slots = dlm.extend_rows([r.dlm_branch for r, _ in drafting], chains, [1] * len(chains), check=False)
+            going, chains = [], []
+            for (req, k), row, s in zip(drafting, rows, slots, strict=True):
+                if i:
+                    req.dlm_fed = s if req.dlm_fed is None else np.concatenate([req.dlm_fed, s])
+                if not np.isfinite(row).all():
+                    self._finish(req, "error", NON_FINITE.replace("model", "draft model"))
+                    drafts.pop(id(req))
+                    continue
+                tokens, q = drafts[id(req)]
+                q.append(warp(row[0], req.decoding.params))
+                tokens.append(int(sample(q[-1], req.rng)))
+                if i + 1 < k:
+                    going.append((req, k))
+                    chains.append(tokens[-1:])
+            drafting = going
+        return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
+
+    def _call_ms(self, role: str, rows: int) -> tuple[float, int]:
+        """The compiler's measured cost of `rows` rows in the cheapest calls (1 ms a call where nothing
+        was measured), and the number of calls."""
+        runner = self.art.runners[role]
+        plan = runner.plan(rows)
+        return sum(runner.entries[graph].cost_ms or 1.0 for graph, _ in plan), len(plan)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        forest, dlm = self.forest, self.dlm
+        if req.branch is not None and reason != "error":  # an error's KV may be incomplete: not kept
+            forest.keep(req.branch, req.prompt + req.tokens)
+        elif req.branch is not None:
+            forest.release(req.branch)
+        if req.dlm_branch is not None and reason != "error":  # its accepted prefix, as the TLM's
+            dlm.keep(req.dlm_branch, req.prompt + req.tokens)
+        elif req.dlm_branch is not None:
+            dlm.release(req.dlm_branch)
+        self.live.remove(req)
+        self.stats["finished"] += 1
+        self.stats["cancelled"] += reason == "cancelled"
+        req.finished = time.perf_counter()
+        if self.on_finish is not None:
+            self.on_finish(req)
+        req.listener(Event(finish=reason, error=error))
+
+
+def _prefilling(req: Request) -> bool:
+    """Its prompt is not all in the cache yet (chunked prefill)."""
+    return req.branch.length < len(req.prompt)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from common.manifest import read_manifest
+from common.targets import get_target
 from compiler.costs import graph_costs_ms
 
 
@@ -23,7 +24,7 @@ def call_costs(artifact: Path, repeats: int) -> dict[int, float]:
     manifest = read_manifest(artifact, verify=False)
     entry = manifest.models["tlm"]
     graphs = {name: (artifact / g.file, g.tokens) for name, g in entry.graphs.items()}
-    ms = graph_costs_ms(graphs, entry.dims, manifest.context_length, manifest.target, repeats)
+    ms = graph_costs_ms(graphs, entry.dims, manifest.context_length, get_target(manifest.target), repeats)
     return dict(sorted((entry.graphs[name].tokens, v) for name, v in ms.items()))
 
 

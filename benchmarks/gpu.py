@@ -47,10 +47,10 @@ def placement(artifact: Path, graph: str = graph_io.DECODE) -> dict[str, dict[st
     """{provider: {op type: nodes run}} for one call of the TLM's `graph`, read from ORT's profile."""
     manifest = read_manifest(artifact, verify=False)
     entry = manifest.models["tlm"]
-    so = compiled_session_options(manifest.target)
+    target = get_target(manifest.target)
+    so = compiled_session_options(target)
     so.enable_profiling = True
     so.profile_file_prefix = f"/tmp/mxspd-placement-{artifact.name}"
-    target = get_target(manifest.target)
     session = ort.InferenceSession(str(artifact / entry.graphs[graph].file), so, providers=target.providers())
     session.run_with_ort_values([graph_io.LOGITS], call_inputs(entry.dims, entry.graphs[graph].tokens,
                                                                manifest.capacity, target.device))

@@ -29,7 +29,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import kernels
-from common.targets import session_options
+from common.targets import TARGETS, session_options
 from kernels.layout import GPU_BLOCK_BYTES, pack_gpu, pack_gpu_scales
 from quant import element_values
 
@@ -79,7 +79,7 @@ def stack(kind: str, layers: list[tuple[np.ndarray, np.ndarray]], dtype: int) ->
 def session(model: onnx.ModelProto, folder: Path, name: str, cuda: bool) -> ort.InferenceSession:
     path = folder / f"{name}.onnx"
     onnx.save(model, path, save_as_external_data=True, location=f"{name}.bin")
-    target = "ort-cuda" if cuda else "ort-cpu"
+    target = TARGETS["ort-cuda" if cuda else "ort-cpu"]
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
     return ort.InferenceSession(str(path), session_options(target=target), providers=providers)
 

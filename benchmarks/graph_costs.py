@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"no graph {unknown} in {args.artifact} ({args.role}: {sorted(entry.graphs)})")
     weights = args.artifact / entry.weights
-    shared = SharedWeights.available(weights.parent, weights, get_target(manifest.target).device)
+    target = get_target(manifest.target)
+    shared = SharedWeights.available(weights.parent, weights, target.device)
     graphs = {g: (args.artifact / entry.graphs[g].file, entry.graphs[g].tokens) for g in names}
-    costs = graph_costs_ms(graphs, entry.dims, manifest.capacity, manifest.target, args.repeats, shared)
+    costs = graph_costs_ms(graphs, entry.dims, manifest.capacity, target, args.repeats, shared)
     print(json.dumps({"cpu": cpu_name(), "artifact": str(args.artifact), "ms_per_call": costs}, indent=1))
     return 0
 

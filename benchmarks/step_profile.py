@@ -26,13 +26,13 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import read_manifest
-from common.targets import compiled_session_options
+from common.targets import Target, compiled_session_options, get_target
 
 _DTYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(bool)": np.bool_,
            "tensor(float16)": np.float16}
 
 
-def _session(path: Path, target: str, threads: int, profile: str | None = None) -> ort.InferenceSession:
+def _session(path: Path, target: Target, threads: int, profile: str | None = None) -> ort.InferenceSession:
     so = compiled_session_options(target, threads)
     if profile:
         so.enable_profiling, so.profile_file_prefix = True, profile
@@ -80,11 +80,11 @@ def main() -> None:
     path = args.artifact / manifest.models[args.model].graphs[args.graph].file
     report: dict = {"graph": str(path), "ms_per_call": {}}
     for threads in (1, 2, 1, 2):  # interleaved, twice
-        s = _session(path, manifest.target, threads)
+        s = _session(path, get_target(manifest.target), threads)
         report["ms_per_call"].setdefault(f"{threads} threads", []).append(
             round(_ms_per_call(s, _feeds(s, args.visible, args.apart), args.calls), 2))
     with tempfile.TemporaryDirectory() as tmp:
-        s = _session(path, manifest.target, 1, profile=str(Path(tmp) / "p"))
+        s = _session(path, get_target(manifest.target), 1, profile=str(Path(tmp) / "p"))
         feeds = _feeds(s, args.visible, args.apart)
         for _ in range(args.calls):
             s.run(None, feeds)

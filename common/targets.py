@@ -95,13 +95,13 @@ def check_prepacked(built_for: dict[str, str]) -> None:
         )
 
 
-def check_session(session: ort.InferenceSession, target: str) -> None:
+def check_session(session: ort.InferenceSession, target: Target) -> None:
     """ONNX Runtime falls back to the CPU silently when the GPU provider cannot start (no GPU, no CUDA
     libraries): refuse instead of running a GPU artifact's float16 graphs on the CPU."""
-    needed = TARGETS[target].provider
+    needed = target.provider
     if session.get_providers()[0] != needed:
         raise TargetUnavailableError(
-            f"target {target!r}: ONNX Runtime could not start {needed} (no GPU visible, or CUDA/cuDNN "
+            f"target {target.name!r}: ONNX Runtime could not start {needed} (no GPU visible, or CUDA/cuDNN "
             f"libraries missing; see ONNX Runtime's log above); this session got {session.get_providers()}"
         )
 
@@ -121,27 +121,27 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def check_target(target: str) -> None:
+def check_target(target: Target) -> None:
     """Refuse a target whose execution provider this ONNX Runtime lacks, saying how to get it."""
-    needed = get_target(target).provider
+    needed = target.provider
     available = ort.get_available_providers()
     if needed not in available:
         both = _installed("onnxruntime") and _installed("onnxruntime-gpu")
         raise TargetUnavailableError(
-            f"target {target!r} needs ONNX Runtime's {needed}, which this installation lacks "
+            f"target {target.name!r} needs ONNX Runtime's {needed}, which this installation lacks "
             f"(available: {available}). "
             + ("Both onnxruntime and onnxruntime-gpu are installed, and they share one `onnxruntime` module: "
                f"{_GPU_INSTALL} (docs/gpu.md). " if both else
                f"For ort-cuda, on a machine with an NVIDIA GPU: `pip install 'mxspd[cuda]'`, then {_GPU_INSTALL}; ")
             + "for this machine use target ort-cpu."
         )
-    on_gpu = get_target(target).device == "cuda"
+    on_gpu = target.device == "cuda"
     if on_gpu and importlib.util.find_spec("nvidia") is not None and hasattr(ort, "preload_dlls"):
         with contextlib.suppress(Exception):  # else the session's start names what is missing (check_session)
             ort.preload_dlls()  # pip's CUDA and cuDNN wheels (the [cuda] extra) are not on the loader's path
 
 
-def session_options(threads: int | None = None, library: Path | None = None, target: str = "ort-cpu"
+def session_options(threads: int | None = None, library: Path | None = None, target: Target | None = None
                     ) -> ort.SessionOptions:
     """`library`: another build of mxspd's kernels than the installed one (benchmarks compare builds). A
     GPU target's sessions get the CUDA kernels' library (kernels/cuda_build.py) where it is built, not the
@@ -151,7 +151,7 @@ def session_options(threads: int | None = None, library: Path | None = None, tar
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    lib = library or (cuda_library_path() if TARGETS[target].device == "cuda" else library_path())
+    lib = library or (cuda_library_path() if target is not None and target.device == "cuda" else library_path())
     if lib is not None:  # mxspd's own ops (ai.mxspd), for graphs that use them
         so.register_custom_ops_library(str(lib))
     return so
@@ -207,11 +207,11 @@ def parked_pools(timeout_s: float = 2.0) -> Iterator[None]:
         time.sleep(0.002)
 
 
-def compiled_session_options(target: str, threads: int | None = None) -> ort.SessionOptions:
+def compiled_session_options(target: Target, threads: int | None = None) -> ort.SessionOptions:
     """How a compiled graph is loaded to run (by the runtime, and by the compiler to time it)."""
     so = session_options(threads, target=target)
     spin_within_calls(so)
-    if TARGETS[target].prepacked:
+    if target.prepacked:
         # Optimised at build time; optimising again could change a weight and so miss its
         # prepacked blob (ORT would then repack a private copy silently).
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -29,7 +29,7 @@ from common.onnx_store import SharedFile, merge_external, read_tensor, save_grap
 from common.recipe import Recipe
 from common.shared_weights import SharedWeights
 from common.staging import MARKER, check_output, make_staging
-from common.targets import get_target, platform_signature, session_options
+from common.targets import Target, get_target, platform_signature, session_options
 from compiler.costs import graph_costs_ms
 from compiler.float16 import KV_DTYPE, to_float16
 from compiler.greedy_outputs import add_greedy_outputs
@@ -58,7 +58,7 @@ from kernels import GPU_LOWERING, MX_MATMUL, MX_MATMUL_GPU, library_path
 EXPORT_INFO = "export.json"
 
 
-def _optimize(graph: Path, target: str, workdir: Path) -> Path:
+def _optimize(graph: Path, target: Target, workdir: Path) -> Path:
     """Run ONNX Runtime's graph optimisers once, now, and keep the result.
 
     Constant subgraphs (MX unpacking, float16 Casts) fold here, and on the CPU target the session
@@ -68,16 +68,16 @@ def _optimize(graph: Path, target: str, workdir: Path) -> Path:
     each and write its own copy (a 7B model's 5.3 GB on disk beside the lowered weights).
     """
     model = onnx.load(str(graph), load_external_data=False)
-    lifted = _lift(model, floats=not get_target(target).float16)
+    lifted = _lift(model, floats=not target.float16)
     if lifted:
         graph = save_graph(model, workdir / f"lifted-{graph.stem}.onnx")  # beside the lowered weights it names
     so = session_options()
-    so.graph_optimization_level = get_target(target).offline_level
+    so.graph_optimization_level = target.offline_level
     out = workdir / f"opt-{graph.stem}.onnx"
     so.optimized_model_filepath = str(out)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{out.stem}.bin")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    if get_target(target).prepacked:
+    if target.prepacked:
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
     if lifted:
@@ -162,14 +162,14 @@ def _lower(export_dir: Path, name: str, lowering: str | None, invariant: bool, s
 SHARED_MIN_BYTES = 1 << 20  # weights; small constants (shapes, norms) may be planned on the host: left alone
 
 
-def _shared(consumers: set[tuple[str, str]], length: int, target: str) -> bool:
+def _shared(consumers: set[tuple[str, str]], length: int, target: Target) -> bool:
     """Whether the runtime hands each session one shared copy of this initializer (common/shared_weights.py).
     On the CPU (a view of one mapping of the weights file, in 2 MiB pages, all mapped at load) only where
     every op that reads it is mxspd's: a decode step reads those whole. ONNX Runtime prepacks its own ops'
     weights (MatMul, MatMulNBits) into blobs the artifact carries, and would repack a tensor it is handed
     into a private copy; a Gather reads a row of the embedding table per token, which its own mapping
     keeps in the pages those rows touch."""
-    if not get_target(target).prepacked:
+    if not target.prepacked:
         return length >= SHARED_MIN_BYTES
     return _native_only(consumers)
 
@@ -188,7 +188,7 @@ def _native_only(readers: set[tuple[str, str]]) -> bool:
     return bool(readers) and all(domain == NATIVE_DOMAIN for domain, _ in readers)
 
 
-def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list]:
+def _initializer_index(graph: Path, weights_name: str, target: Target) -> list[list]:
     """The graph's initializers in the model's weights file that its sessions share: [name, numpy dtype,
     dims, offset, length] (common/graph_io.py's INITIALIZERS_FILE)."""
     model = onnx.load(str(graph), load_external_data=False)
@@ -202,7 +202,7 @@ def _initializer_index(graph: Path, weights_name: str, target: str) -> list[list
     return out
 
 
-def effective_lowering(lowering: str, target: str) -> str:
+def effective_lowering(lowering: str, target: Target) -> str:
     """mxspd's native kernel where its library was built: MXMatMul on the CPU target, MXMatMulGPU (its CUDA
     kernel; the CPU library's reference runs the build's optimiser) on the GPU target; else `fused`, said aloud."""
     if lowering not in NATIVE_ACTIVATION_BITS:
@@ -212,7 +212,7 @@ def effective_lowering(lowering: str, target: str) -> str:
                       "built at install (no C++ compiler?); falling back to 'fused' (MatMulNBits: 8-bit codes and a "
                       "scale per block of 32)", stacklevel=2)
         return "fused"
-    return GPU_LOWERING if get_target(target).device == "cuda" else lowering
+    return GPU_LOWERING if target.device == "cuda" else lowering
 
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
@@ -229,12 +229,12 @@ def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: di
                            f"{len(lost) or 'all'} weights (first: {lost[:3]})")
 
 
-def effective_invariance(wanted: bool, target: str) -> bool:
+def effective_invariance(wanted: bool, target: Target) -> bool:
     """Batch-invariant graphs where mxspd's kernels run (built, CPU target); else not, said aloud."""
     if not wanted:
         return False
     why = ("its library was not built at install (no C++ compiler?)" if library_path() is None
-           else f"they run on the CPU only, and the target is {target}" if not get_target(target).prepacked else None)
+           else f"they run on the CPU only, and the target is {target.name}" if not target.prepacked else None)
     if why is not None:
         warnings.warn(f"batch-invariant graphs need mxspd's kernels, and {why}: this artifact's speculation and "
                       "batching may differ from autoregressive decoding in the last bits (near-ties can flip)",
@@ -242,7 +242,7 @@ def effective_invariance(wanted: bool, target: str) -> bool:
     return why is None
 
 
-def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, invariant: bool, progress: bool,
+def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: str, invariant: bool, progress: bool,
                    consume_export: bool = False, kv_cache: str = "") -> ModelEntry:
     """`consume_export`: delete the export's weights file once every graph is lowered (its exports are
     temporary: the disk then holds the lowered weights and the artifact, not the export's too).
@@ -251,7 +251,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     quant = dict(info.get("quant", {}))
     lowering = effective_lowering(lowering, target) if quant else None
     invariant = effective_invariance(invariant, target)
-    half_kv = kv_cache == "float16" and not get_target(target).float16
+    half_kv = kv_cache == "float16" and not target.float16
     if half_kv and not invariant:
         raise ValueError('kv_cache = "float16" on the CPU needs mxspd\'s attention kernels (their library built at '
                          'install, and batch_invariant on); set kv_cache = "float32", or reinstall with a C++ compiler')
@@ -261,16 +261,16 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
         for name, (graph, lowered, shapes) in tqdm(lowered_graphs.items(), desc=f"compile {out_dir.name}",
                                                    disable=not progress):
             path = _optimize(graph, target, work)
-            if get_target(target).float16:
+            if target.float16:
                 to_float16(path)
             optimised = onnx.load(str(path), load_external_data=False)
             changed = 0
-            if not get_target(target).float16:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
+            if not target.float16:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
                 changed = fuse_skip_norms(optimised, shapes)
                 if invariant:
                     changed += fuse_swiglu(optimised)
                     changed += fuse_matmul_prologues(optimised)
-            if get_target(target).greedy_outputs:
+            if target.greedy_outputs:
                 add_greedy_outputs(optimised)
                 changed += 1
             if changed:
@@ -297,8 +297,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: str, lowering: str, 
     # one copy of the weights for all the graphs' sessions (on the CPU: one mapping, in 2 MiB pages)
     index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
     (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
-    shared = SharedWeights(out_dir, out_dir / info["weights"], get_target(target).device)
-    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if get_target(target).float16 or half_kv else {}))
+    shared = SharedWeights(out_dir, out_dir / info["weights"], target.device)
+    dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target.float16 or half_kv else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
     costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
                            target, shared=shared)
@@ -344,7 +344,7 @@ def compile_artifact(
 
     An existing out_dir is replaced only if it is empty or one of our artifacts (or `force`).
     """
-    get_target(recipe.target)  # an unknown one is refused before anything is written
+    target = get_target(recipe.target)  # resolved once; an unknown one is refused before anything is written
     start = time.perf_counter()
     check_output(Path(out_dir), force)  # before resolving: a symlink at --out is refused, not followed
     out_dir = Path(out_dir).resolve()
@@ -353,7 +353,7 @@ def compile_artifact(
     try:
         specs = {"tlm": recipe.tlm, "dlm": recipe.dlm}
         models = {
-            role: _compile_model(Path(d), staging / role, recipe.target, specs[role].mx_lowering,
+            role: _compile_model(Path(d), staging / role, target, specs[role].mx_lowering,
                                  recipe.batch_invariant, progress, consume_exports, recipe.kv_cache)
             for role, d in exports.items()
         }
@@ -377,7 +377,7 @@ def compile_artifact(
             files=files,
             recipe=recipe.to_dict(),
             tools=_tools(),
-            prepacked_for=platform_signature() if get_target(recipe.target).prepacked else {},
+            prepacked_for=platform_signature() if target.prepacked else {},
             build_seconds=round(time.perf_counter() - start, 2),
         )
         (staging / MANIFEST_NAME).write_text(manifest.to_json())

@@ -17,11 +17,11 @@ from common.graph_io import ModelDims
 from common.manifest import ArtifactError
 from common.shared_weights import SharedWeights
 from common.targets import (
+    Target,
     TargetUnavailableError,
     check_session,
     check_target,
     compiled_session_options,
-    get_target,
     parked_pools,
 )
 
@@ -69,7 +69,7 @@ def bound_call(session: ort.InferenceSession, graph: str, dims: ModelDims, token
     return binding, logits
 
 
-def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: str,
+def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context: int, target: Target,
                    repeats: int = 5, shared: SharedWeights | None = None) -> dict[str, float]:
     """Median ms per call of each graph ({name: (path, T)}), runs interleaved across graphs, timed as the
     runtime runs them (but for its per-call copy of ids, positions and mask, a few microseconds):
@@ -87,11 +87,11 @@ def graph_costs_ms(graphs: dict[str, tuple[Path, int]], dims: ModelDims, context
         so = compiled_session_options(target)
         return shared.add_to(graph, so) if shared is not None else so
 
-    device = get_target(target).device
+    device = target.device
     cuda_graph = device == "cuda"
     try:
         with parked_pools():  # as the runtime runs them: mapped blobs, spinning within calls, weights shared
-            sessions = {n: ort.InferenceSession(str(p), options(n), providers=get_target(target).providers(cuda_graph))
+            sessions = {n: ort.InferenceSession(str(p), options(n), providers=target.providers(cuda_graph))
                         for n, (p, _) in graphs.items()}
     except ArtifactError:  # the index or the weights file is wrong: the build must say so
         raise

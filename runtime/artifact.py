@@ -17,7 +17,7 @@ from common import ngram_table
 from common.manifest import ArtifactError, Manifest, read_manifest
 from common.ngram_table import NgramTable, NgramTableError
 from common.resources import check_memory
-from common.targets import check_prepacked, check_target
+from common.targets import check_prepacked, check_target, get_target
 from kernels import GPU_LOWERING, NATIVE_LOWERINGS, require_cuda_library, require_library
 from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
@@ -110,7 +110,8 @@ def open_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     start = time.perf_counter()
     path = Path(path)
     manifest = read_manifest(path, verify=verify)
-    check_target(manifest.target)
+    target = get_target(manifest.target)  # resolved once: every runner and session takes the record
+    check_target(target)
     check_prepacked(manifest.prepacked_for)
     if any(e.quant.get("lowering") in NATIVE_LOWERINGS or e.batch_invariant for e in manifest.models.values()):
         require_library()  # a clear error now, rather than ONNX Runtime's unknown op at the first graph
@@ -123,7 +124,7 @@ def open_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     except Exception as exc:  # noqa: BLE001 - a missing or damaged tokenizer file, whatever the parser raises
         raise ArtifactError(f"artifact {path}: tokenizer cannot be loaded: {exc}") from None
     runners = {
-        role: ModelRunner(path, entry, manifest.capacity, manifest.context_length, manifest.target, threads,
+        role: ModelRunner(path, entry, manifest.capacity, manifest.context_length, target, threads,
                           device_cache, cuda_graph)
         for role, entry in manifest.models.items()
     }

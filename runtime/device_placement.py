@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from common import graph_io as io
 from common.manifest import ArtifactError, ModelEntry
-from common.targets import check_session, get_target
+from common.targets import Target, check_session
 from runtime.placement import BoundGraph, Placement
 
 _INPUTS = {io.INPUT_IDS: "input_ids", io.POSITION_IDS: "position_ids", io.ATTENTION_MASK: "mask"}
@@ -60,14 +60,14 @@ class DeviceGraph(BoundGraph):
 class DevicePlacement(Placement):
     """The cache [2L, 1, H, C, D] on the target's device, its per-layer slices, and the in-place store call."""
 
-    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: str, threads: int | None,
+    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: Target, threads: int | None,
                  cuda_graph: bool | None = None) -> None:
         """Opens the store graph's session first: where the GPU cannot start, that refuses by name
         (check_session) before anything is allocated on it. `cuda_graph`: the graphs' sessions replay
         CUDA graphs (default: on a GPU; the store graph's session does not, its rows and slots change)."""
-        device = get_target(target).device
+        device = target.device
         if cuda_graph and device != "cuda":
-            raise ValueError(f"cuda_graph applies to the GPU target (ort-cuda), not {target!r}")
+            raise ValueError(f"cuda_graph applies to the GPU target (ort-cuda), not {target.name!r}")
         super().__init__(artifact_dir, entry, slots, target, threads, device=device)
         self.cuda_graph = device == "cuda" if cuda_graph is None else cuda_graph
         self.dtype = np.dtype(self.dims.kv_dtype)
@@ -76,7 +76,7 @@ class DevicePlacement(Placement):
             raise ArtifactError(f"{store} is missing: this artifact was built before the device cache "
                                 "existed; re-run `python -m export` to keep its cache on the device")
         self._store = ort.InferenceSession(str(store), self.options(), providers=self.target.providers())
-        check_session(self._store, self.target.name)
+        check_session(self._store, self.target)
         d = self.dims
         self.cache = zeros((2 * d.n_layers, 1, d.n_kv_heads, slots, d.head_dim), self.dtype, self.target.device)
         self._binding = self._store.io_binding()

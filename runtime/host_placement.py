@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from common import graph_io
 from common.manifest import ModelEntry
-from common.targets import get_target
+from common.targets import Target
 from runtime.placement import BoundGraph, Placement
 
 
@@ -40,8 +40,8 @@ class HostGraph(BoundGraph):
 
 
 class HostPlacement(Placement):
-    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: str, threads: int | None) -> None:
-        on_cpu = get_target(target).device == "cpu"
+    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: Target, threads: int | None) -> None:
+        on_cpu = target.device == "cpu"
         super().__init__(artifact_dir, entry, slots, target, threads, device="cpu" if on_cpu else None)
         d = self.dims
         self.cache_stack = np.zeros((2 * d.n_layers, 1, d.n_kv_heads, slots, d.head_dim), d.kv_dtype)

@@ -29,7 +29,7 @@ import numpy as np
 
 from common import graph_io
 from common.manifest import GraphEntry, ModelEntry
-from common.targets import get_target, parked_pools
+from common.targets import TARGETS, Target, parked_pools
 from runtime.device_placement import DevicePlacement
 from runtime.host_placement import HostPlacement
 from runtime.placement import BoundGraph, Placement
@@ -39,10 +39,10 @@ class NonFiniteLogitsError(RuntimeError):
     """A model call whose logits hold NaN/Inf: emitting a token from them would be silent garbage."""
 
 
-def _placement(artifact_dir: Path, entry: ModelEntry, slots: int, target: str, threads: int | None,
+def _placement(artifact_dir: Path, entry: ModelEntry, slots: int, target: Target, threads: int | None,
                device_cache: bool | None, cuda_graph: bool | None) -> Placement:
     """The target's placement: on the device (`device_cache`, default on a GPU target) or on the host."""
-    if get_target(target).device != "cpu" if device_cache is None else device_cache:
+    if target.device != "cpu" if device_cache is None else device_cache:
         return DevicePlacement(artifact_dir, entry, slots, target, threads, cuda_graph)
     if cuda_graph:
         raise ValueError("cuda_graph needs the device cache: a CUDA graph replays fixed device addresses")
@@ -56,7 +56,7 @@ class ModelRunner:
         entry: ModelEntry,
         slots: int,
         max_length: int | None = None,
-        target: str = "ort-cpu",
+        target: Target = TARGETS["ort-cpu"],
         threads: int | None = None,
         device_cache: bool | None = None,
         cuda_graph: bool | None = None,

@@ -23,7 +23,7 @@ import onnxruntime as ort
 from common import graph_io
 from common.manifest import ModelEntry
 from common.shared_weights import SharedWeights
-from common.targets import Target, check_session, compiled_session_options, get_target
+from common.targets import Target, check_session, compiled_session_options
 
 
 @dataclass
@@ -81,17 +81,17 @@ class Placement:
 
     cuda_graph = False  # whether calls replay CUDA graphs (runtime/device_placement.py)
 
-    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: str, threads: int | None,
+    def __init__(self, artifact_dir: Path, entry: ModelEntry, slots: int, target: Target, threads: int | None,
                  device: str | None) -> None:
         """`device`: where the shared weights go ("cpu": views of one mapping of the weights file; None:
         each session its own copy, as for artifacts built before the compiler's initializer index)."""
-        self.target: Target = get_target(target)
+        self.target = target
         self.dims, self.slots, self.threads = entry.dims, slots, threads
         self.shared = None if device is None else SharedWeights.available(
             Path(artifact_dir) / Path(entry.weights).parent, Path(artifact_dir) / entry.weights, device)
 
     def options(self) -> ort.SessionOptions:
-        return compiled_session_options(self.target.name, self.threads)
+        return compiled_session_options(self.target, self.threads)
 
     def session(self, graph: str, path: Path) -> ort.InferenceSession:
         """The graph's session, with the shared weights, on the target's provider or refused."""
@@ -99,7 +99,7 @@ class Placement:
         if self.shared is not None:
             self.shared.add_to(graph, so)
         session = ort.InferenceSession(str(path), so, providers=self.target.providers(self.cuda_graph))
-        check_session(session, self.target.name)
+        check_session(session, self.target)
         return session
 
     @staticmethod

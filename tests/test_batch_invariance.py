@@ -16,8 +16,10 @@ import pytest
 
 import runtime
 from common import graph_io
-from common.targets import compiled_session_options
+from common.targets import TARGETS, compiled_session_options, get_target
 from tests.conftest import FORMATS, artifact
+
+CPU, CUDA = TARGETS["ort-cpu"], TARGETS["ort-cuda"]
 
 
 class Graphs:
@@ -27,7 +29,7 @@ class Graphs:
         entry = art.manifest.models["tlm"]
         self.dims, self.c = entry.dims, art.manifest.context_length
         self.tokens = {g: e.tokens for g, e in entry.graphs.items()}
-        so = compiled_session_options(art.manifest.target, threads=2)
+        so = compiled_session_options(get_target(art.manifest.target), threads=2)
         self.sessions = {g: ort.InferenceSession(str(art.path / e.file), so, providers=["CPUExecutionProvider"])
                          for g, e in entry.graphs.items()}
 
@@ -176,9 +178,9 @@ def test_without_the_kernels_the_compiler_says_the_artifact_is_not_invariant(mon
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert build.effective_invariance(False, "ort-cpu") is False  # asked off: no warning
+        assert build.effective_invariance(False, CPU) is False  # asked off: no warning
     with pytest.warns(UserWarning, match="CPU only"):
-        assert build.effective_invariance(True, "ort-cuda") is False
+        assert build.effective_invariance(True, CUDA) is False
     monkeypatch.setattr(build, "library_path", lambda: None)
     with pytest.warns(UserWarning, match="not built"):
-        assert build.effective_invariance(True, "ort-cpu") is False
+        assert build.effective_invariance(True, CPU) is False

@@ -22,7 +22,7 @@ import runtime
 from common import graph_io, targets
 from common.manifest import read_manifest
 from common.recipe import ModelSpec
-from common.targets import TargetUnavailableError, check_session, compiled_session_options
+from common.targets import TARGETS, TargetUnavailableError, check_session, compiled_session_options
 from compiler import build
 from compiler.float16 import norm_statistics, to_float16
 from export.pipeline import build_artifact
@@ -30,6 +30,8 @@ from runtime.device_placement import DevicePlacement
 from runtime.host_placement import HostPlacement
 from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe
+
+CPU, CUDA = TARGETS["ort-cpu"], TARGETS["ort-cuda"]
 
 NO_CUDA = "CUDAExecutionProvider" not in ort.get_available_providers()
 
@@ -62,7 +64,7 @@ def test_logits_from_the_device_cache_stay_the_callers_after_the_next_call(artif
     """On the CPU provider a bound output's numpy() is the bound buffer itself: the logits a call returned
     must not change when the next call writes that buffer (nor go when the runner goes)."""
     manifest = read_manifest(artifact_dir)
-    runner = ModelRunner(artifact_dir, manifest.models["tlm"], manifest.capacity, target="ort-cpu", device_cache=True)
+    runner = ModelRunner(artifact_dir, manifest.models["tlm"], manifest.capacity, target=CPU, device_cache=True)
     runner.start(np.arange(5, 17))
     first = runner.forward(graph_io.DECODE, np.array([11]))
     kept = first.copy()
@@ -197,12 +199,12 @@ def test_a_float16_device_cache_commits_what_a_float16_host_cache_commits(cuda_a
     from runtime import placement
 
     monkeypatch.setattr(placement, "compiled_session_options",
-                        lambda target, threads=None: compiled_session_options("ort-cuda", threads))
+                        lambda target, threads=None: compiled_session_options(CUDA, threads))
     manifest = read_manifest(cuda_artifact)
     entry = manifest.models["tlm"]
     logits = []
     for device_cache in (False, True):
-        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target="ort-cpu", device_cache=device_cache)
+        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target=CPU, device_cache=device_cache)
         runner.start(np.arange(5, 17))
         runner.run(graph_io.score_graph(3), np.array([7, 8, 9, 10]))
         runner.commit([0, 2])  # not a chain: the rows' KV go to slots 12 and 13
@@ -221,14 +223,14 @@ def test_device_sessions_compute_with_the_weights_they_are_handed(cuda_artifact,
     from runtime import placement
 
     monkeypatch.setattr(placement, "compiled_session_options",
-                        lambda target, threads=None: compiled_session_options("ort-cuda", threads))
+                        lambda target, threads=None: compiled_session_options(CUDA, threads))
     manifest = read_manifest(cuda_artifact)
     entry = manifest.models["tlm"]
     zeroed = tmp_path / "zeroed.bin"
     zeroed.write_bytes(bytes((cuda_artifact / entry.weights).stat().st_size))
 
     def decode() -> np.ndarray:
-        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target="ort-cpu", device_cache=True)
+        runner = ModelRunner(cuda_artifact, entry, manifest.capacity, target=CPU, device_cache=True)
         runner.start(np.arange(5, 17))
         return runner.forward(graph_io.DECODE, np.array([11]))
 
@@ -255,10 +257,10 @@ def test_the_initializer_index_points_at_each_graphs_weights(cuda_artifact):
 def test_cuda_graphs_without_the_device_cache_or_on_the_cpu_are_refused(cuda_artifact):
     manifest = read_manifest(cuda_artifact)
     with pytest.raises(ValueError, match="cuda_graph needs the device cache"):
-        ModelRunner(cuda_artifact, manifest.models["tlm"], manifest.capacity, target="ort-cpu", device_cache=False,
+        ModelRunner(cuda_artifact, manifest.models["tlm"], manifest.capacity, target=CPU, device_cache=False,
                     cuda_graph=True)
     with pytest.raises(ValueError, match="cuda_graph applies to the GPU target"):
-        ModelRunner(cuda_artifact, manifest.models["tlm"], manifest.capacity, target="ort-cpu", device_cache=True,
+        ModelRunner(cuda_artifact, manifest.models["tlm"], manifest.capacity, target=CPU, device_cache=True,
                     cuda_graph=True)
 
 
@@ -312,7 +314,7 @@ def test_both_onnxruntime_wheels_installed_is_named_as_the_cause(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     with pytest.raises(TargetUnavailableError,
                        match="share one `onnxruntime` module: `pip uninstall -y onnxruntime && pip install --force"):
-        targets.check_target("ort-cuda")
+        targets.check_target(CUDA)
 
 
 def test_a_gpu_session_that_fell_back_to_the_cpu_is_refused():
@@ -321,9 +323,9 @@ def test_a_gpu_session_that_fell_back_to_the_cpu_is_refused():
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[helper.make_opsetid("", 18)],
         ir_version=8)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    check_session(session, "ort-cpu")
+    check_session(session, CPU)
     with pytest.raises(TargetUnavailableError, match="could not start CUDAExecutionProvider"):
-        check_session(session, "ort-cuda")
+        check_session(session, CUDA)
 
 
 def test_float16_values_equal_onnxruntimes_conversion_bit_for_bit():

@@ -21,13 +21,15 @@ from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import kernels
-from common.targets import session_options
+from common.targets import TARGETS, session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
 from kernels.layout import PLANES, TRIPLES, pack_columns, pack_int8_columns, pack_scales, unpack_columns
 from quant import element_values, fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
+
+CPU = TARGETS["ort-cpu"]
 
 needs_library = pytest.mark.skipif(kernels.library_path() is None, reason="native kernel library not built here")
 
@@ -335,10 +337,10 @@ def test_every_lowering_runs_an_mxint8_lm_head_on_its_mx_values(lowering):
 def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(monkeypatch):
     monkeypatch.setattr(build, "library_path", lambda: None)
     with pytest.warns(UserWarning, match="falling back to 'fused'"):
-        assert build.effective_lowering("native", "ort-cpu") == "fused"
+        assert build.effective_lowering("native", CPU) == "fused"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert build.effective_lowering("exact", "ort-cpu") == "exact"
+        assert build.effective_lowering("exact", CPU) == "exact"
     monkeypatch.setattr(kernels, "library_path", lambda: None)
     with pytest.raises(kernels.KernelsUnavailableError, match="mx_lowering = 'fused'"):
         kernels.require_library()

@@ -20,11 +20,14 @@ import common.weights_map as weights_map
 from common import graph_io
 from common.manifest import read_manifest
 from common.shared_weights import SharedWeights
+from common.targets import TARGETS
 from common.weights_map import HUGE, WeightsMap, huge_pages_possible
 from compiler.build import _shared
 from kernels import DOMAIN
 from runtime.model_runner import ModelRunner
 from tests.conftest import artifact
+
+CPU, CUDA = TARGETS["ort-cpu"], TARGETS["ort-cuda"]
 
 
 @pytest.fixture(autouse=True)
@@ -119,11 +122,11 @@ def test_a_missing_or_short_weights_file_is_an_artifact_error_naming_it(tmp_path
 def test_the_cpu_index_shares_only_what_mxspds_kernels_read_whole():
     """mxspd's ops read the mapping as it is, every weight whole per call; ORT's MatMul would repack a handed
     tensor privately, and a Gather's table is left to ORT's own mapping, which maps only the rows met."""
-    assert _shared({(DOMAIN, "MXMatMul")}, 10, "ort-cpu") and _shared({(DOMAIN, "RowMatMul")}, 10, "ort-cpu")
-    assert not _shared({("", "MatMul")}, 10 << 20, "ort-cpu") and not _shared({("", "Gather")}, 10 << 20, "ort-cpu")
-    assert not _shared({(DOMAIN, "RowMatMul"), ("", "Gather")}, 10 << 20, "ort-cpu")  # a tied table and head
-    assert not _shared({("com.microsoft", "MatMulNBits")}, 10 << 20, "ort-cpu") and not _shared(set(), 10, "ort-cpu")
-    assert _shared({("", "MatMul")}, 2 << 20, "ort-cuda") and not _shared({("", "MatMul")}, 1000, "ort-cuda")
+    assert _shared({(DOMAIN, "MXMatMul")}, 10, CPU) and _shared({(DOMAIN, "RowMatMul")}, 10, CPU)
+    assert not _shared({("", "MatMul")}, 10 << 20, CPU) and not _shared({("", "Gather")}, 10 << 20, CPU)
+    assert not _shared({(DOMAIN, "RowMatMul"), ("", "Gather")}, 10 << 20, CPU)  # a tied table and head
+    assert not _shared({("com.microsoft", "MatMulNBits")}, 10 << 20, CPU) and not _shared(set(), 10, CPU)
+    assert _shared({("", "MatMul")}, 2 << 20, CUDA) and not _shared({("", "MatMul")}, 1000, CUDA)
 
 
 def _weights_mappings(weights: Path) -> int:
@@ -149,7 +152,7 @@ def test_cpu_sessions_share_one_mapping_and_compute_what_their_own_weights_give(
 
     def decode() -> tuple[np.ndarray, int]:
         before = _weights_mappings(weights)
-        runner = ModelRunner(art.path, entry, manifest.capacity, target="ort-cpu")
+        runner = ModelRunner(art.path, entry, manifest.capacity, target=CPU)
         mapped = _weights_mappings(weights) - before
         runner.start(np.arange(5, 17))
         return runner.forward(graph_io.DECODE, np.array([11])), mapped

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ class Artifact:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     ngram_table: NgramTable | None = None  # prompt lookup's n-gram draft, where the recipe ships one
     policies: dict[tuple, DraftPolicy] = field(default_factory=dict, repr=False)  # adaptive, per method
+    engine: Any = field(default=None, repr=False)  # generations' engine (engine.engine_of), made at first use
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)
     _holder: str | None = field(default=None, repr=False)

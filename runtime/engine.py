@@ -48,10 +48,11 @@ from runtime.forest import Branch, CapacityError, Forest
 from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
-from runtime.proposal import Proposal
-from runtime.rejection import verify_round
+from runtime.proposal import Drafter, Proposal
+from runtime.rejection import verify_greedy, verify_round
 from runtime.request import Decoding, Speculation
 from runtime.results import finish_reason
+from runtime.round_stats import RoundStats
 from runtime.sampling import argmax_rows, next_token, sample, warp
 
 NONE = Proposal()  # a plain step
@@ -81,7 +82,8 @@ class Request:
     spec: Speculation | None = None
     dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
     dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
-    drafter: Lookahead | None = None  # speculation "lookahead": its Jacobi window and n-gram pool
+    drafter: Drafter | None = None  # proposes each round's tree (a generation's drafter; the server's lookahead window)
+    rounds: RoundStats | None = None  # a generation's speculation counters
     cancelled: bool = False
     logprobs: int | None = None  # report each new token's log probability and this many alternatives
     echo: bool = False  # also every prompt token's (but the first's): prompt_logprobs, set before the first event
@@ -250,6 +252,13 @@ class Engine:
                 req.admitted = time.perf_counter()
                 self.live.append(req)
 
+    def abort(self, req: Request) -> None:
+        """End a request now (a generation whose caller stopped reading): its slots are freed at once."""
+        if req in self.live:
+            self._finish(req, "cancelled")
+        else:
+            self.waiting = deque(g for g in ([r for r in g if r is not req] for g in self.waiting) if g)
+
     def fail(self, error: str) -> None:
         """End every live request with an error (a step that raised)."""
         for req in list(self.live):
@@ -269,7 +278,9 @@ class Engine:
                 req.leader, req.branch = None, forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
                 req.cached = req.branch.length
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
-        proposals = self._propose([r for r in running if r.spec])
+        draft_s = time.perf_counter()
+        proposals = self._propose([r for r in running if r.spec or r.drafter])
+        draft_s = time.perf_counter() - draft_s
         fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
         for req in running:
             tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1])
@@ -292,7 +303,11 @@ class Engine:
         if not fed:
             return
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
-        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees)
+        fetch = not forest.runner.greedy_outputs or any(  # greedy alone: each row's token, not its logits
+            r.decoding.params.do_sample or r.logprobs is not None or r.echo for r in fed)
+        t0 = time.perf_counter()
+        kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees, fetch=fetch)
+        call_s = time.perf_counter() - t0
         rows_of = {id(r): (rows, s) for r, rows, s in zip(fed, kept, slots, strict=True)}
         for req in [r for r in fed if id(r) in chunk_at and r.echo]:  # row j: the prompt's next token's
             at, rows = chunk_at[id(req)], rows_of[id(req)][0]
@@ -309,7 +324,7 @@ class Engine:
                     rows_of[id(req)] = rows_of[id(lead)]
                     req.prompt_logprobs = lead.prompt_logprobs
         tokens, tested = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
-                                    proposals)
+                                    proposals, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
         all_calls = self.art.tlm.calls - calls + (dlm.runner.calls - dlm_calls if dlm else 0)
         self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3, self._predicted_ms, all_calls)
@@ -321,45 +336,61 @@ class Engine:
             self.stats["prefix_cache_tokens"] = forest.cache.tokens
             self.stats["prefix_cache_evicted"] = forest.cache.evicted
 
-    def _emit(self, done: list[Request], rows_of: dict, proposals: dict[int, Proposal]) -> tuple[int, int]:
+    def _emit(self, done: list[Request], rows_of: dict, proposals: dict[int, Proposal],
+              times: tuple[float, float, float]) -> tuple[int, int]:
         """Verify (drafts) or sample (a plain row) each request's next tokens, emit them, finish those that
-        stop. Returns the tokens emitted and the drafts the TLM judged."""
+        stop. `rows` are a request's logits, or its greedy tokens where the step fetched no logits.
+        Returns the tokens emitted and the drafts the TLM judged."""
         now, tokens, tested = time.perf_counter(), 0, 0
         for req in done:
             (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
-            if not np.isfinite(rows).all():  # that request's error only: a token from NaN logits is garbage
+            greedy = rows.ndim == 1  # each row's greedy token (-1: NaN/Inf logits)
+            if not (rows >= 0).all() if greedy else not np.isfinite(rows).all():  # a token from NaN logits is garbage
                 self._finish(req, "error", NON_FINITE)
                 continue
             if req.max_new_tokens == 0:  # scored its prompt (echo) or prefilled a shared context: generates nothing
                 self._finish(req, "length")
                 continue
             choosers = [len(rows) - 1]  # the row each emitted token was chosen from
+            best = rows.__getitem__ if greedy else argmax_rows(rows)
+            path: list[int] = []
             if not proposal.empty:
                 call, parents, _ = proposal.rows(req.tokens[-1])
-                path, nxt = verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
+                path, nxt = verify_greedy(call[: len(parents)], parents, best) if greedy else \
+                    verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
                 rejected = np.ones(len(call), dtype=bool)
                 rejected[[0, *path]] = False
                 self.forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV
                 if req.dlm_fed is not None:
                     self.dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
                 emitted, choosers = [*call[path].tolist(), nxt], [0, *path]
-                if req.drafter is not None:
-                    req.drafter.observe(proposal, len(path), emitted, argmax_rows(rows), 0.0)
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
-                tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")
+                if req.spec is not None:
+                    tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")
             else:
-                emitted = [next_token(rows[-1], req.decoding.params, req.rng)]
+                emitted = [int(rows[-1]) if greedy else next_token(rows[-1], req.decoding.params, req.rng)]
+            if req.drafter is not None and req.tokens:  # a round (the prompt's first token is not one)
+                start, draft_s, call_s = times
+                round_s = time.perf_counter() - start
+                req.drafter.observe(proposal, len(path), emitted, best, round_s * 1e3)
+                if req.rounds is not None:
+                    req.rounds.record(proposal, len(path), draft_s, call_s, round_s)
             req.first_token = req.first_token or now
+            first = not req.tokens
             for token, row in zip(emitted, choosers, strict=True):
                 req.tokens.append(token)
                 tokens += 1
                 lp = None if req.logprobs is None else token_logprob(rows[row], token, req.logprobs)
+                if req.rounds is not None and not first:
+                    req.rounds.delivered += 1  # what the caller took: it may stop inside a round's tokens
                 req.listener(Event(token=token, logprob=lp))
                 reason = finish_reason(self.art, req.tokens, req.decoding.stop, req.max_new_tokens)
                 if reason:
                     self._finish(req, reason)
                     break
+            if first and req.drafter is not None and req.spec is None and req in self.live:
+                req.drafter.start(req.prompt + req.tokens)  # the prompt and the first token
         return tokens, tested
 
     def _propose(self, reqs: list[Request]) -> dict[int, Proposal]:
@@ -367,6 +398,11 @@ class Engine:
         guesses, or a chain sampled from the DLM with every drafting request's i-th draft in one call."""
         forest, dlm = self.forest, self.dlm
         out, drafting = {}, []
+        for req in [r for r in reqs if r.spec is None]:  # a generation's own drafter and its policy
+            p = req.drafter.propose(req.prompt + req.tokens, forest.runner.max_length - 1 - req.branch.length)
+            # Drafts and auxiliary rows take cache slots until verified: near a full cache the round steps plainly
+            out[id(req)] = p if 1 + len(p.tokens) + len(p.aux_tokens) <= forest.free_slots() else NONE
+        reqs = [r for r in reqs if r.spec is not None]
         greedy = [r for r in reqs if not r.decoding.params.do_sample]  # sampled ones keep their fixed length
         k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
                                       max(r.spec.k for r in greedy)) if greedy else 0
@@ -440,6 +476,14 @@ class Engine:
         if self.on_finish is not None:
             self.on_finish(req)
         req.listener(Event(finish=reason, error=error))
+
+
+def engine_of(art: Artifact) -> Engine:
+    """The artifact's engine for generations (made at first use), whose prefix cache serves the next
+    generation on the same artifact: a chat's earlier turns are not prefilled again."""
+    if art.engine is None:
+        art.engine = Engine(art)
+    return art.engine
 
 
 def _prefilling(req: Request) -> bool:

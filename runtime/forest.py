@@ -47,6 +47,17 @@ class Forest:
         self.max_rows = max_rows or largest
         self.live: list[Branch] = []
         self.cache = PrefixCache(runner.context) if prefix_cache else None
+        self._writes = runner.writes  # the runner's cache as this forest last left it
+
+    def _check_writer(self) -> None:
+        """Forget the cached prefixes if anything else changed the runner's cache since this forest did
+        (a speculative generation, beam search, another forest, a rewind): their slots hold other KV now."""
+        if self.runner.writes != self._writes:
+            if self.live:
+                raise RuntimeError("the KV cache changed under live branches: one runner, one writer at a time")
+            if self.cache is not None:
+                self.cache = PrefixCache(self.runner.context)
+            self._writes = self.runner.writes
 
     def root(self, prompt: np.ndarray | None = None) -> tuple[Branch, np.ndarray | None]:
         """A branch holding the prompt (prefilled into slots 0.., exactly as a single sequence is)
@@ -63,12 +74,14 @@ class Forest:
     def cached_prefix(self, prompt: list[int]) -> list[int]:
         """The slots of the longest cached prefix of `prompt` but its last token (which must be fed to
         give logits): `attach` them, then feed `prompt[branch.length:]`."""
+        self._check_writer()
         if self.cache is None or len(prompt) < 2:
             return []
         return self.cache.match(np.asarray(prompt[:-1], dtype=np.int64)).tolist()
 
     def attach(self, order: list[int]) -> Branch:
         """A new branch that sees these slots (positions 0.. in this order)."""
+        self._check_writer()
         view = np.zeros(self.runner.context, dtype=bool)
         view[order] = True
         branch = Branch(view, list(order))
@@ -107,7 +120,8 @@ class Forest:
         return np.concatenate(kept)
 
     def extend_rows(self, branches: list[Branch], chains: list[list[int]], keep: list[int], check: bool = True,
-                    sees: list[np.ndarray | None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                    sees: list[np.ndarray | None] | None = None, fetch: bool = True
+                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Append each chain of tokens to its (distinct) branch; return the logits of each chain's last
         keep[i] rows ([keep[i], V] each) and the slots each chain's tokens went into (for `trim`).
 
@@ -116,8 +130,11 @@ class Forest:
         in the cheapest calls by the compiler's measured costs (runner.plan); a row that sees rows of
         an earlier call sees their slots; a prefill call that keeps no row's logits but its last runs the
         graph that computes the last row's alone (PREFILL_LAST: the LM head once, not per row).
-        check=False: NaN/Inf rows are returned, not raised.
+        check=False: NaN/Inf rows are returned, not raised. fetch=False (greedy decoding): each kept row's
+        greedy token instead of its logits ([keep[i]] int64 each, -1 for a NaN/Inf row; on a device target the
+        graph's own argmax crosses to the host, not the logits: ModelRunner.run_rows).
         """
+        self._check_writer()
         lengths = np.array([len(c) for c in chains], dtype=np.int64)
         if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
             raise ValueError(f"extend needs one chain per branch, got {len(branches)} branches, {len(chains)} chains")
@@ -136,7 +153,8 @@ class Forest:
         tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
         slots = self._allocate(len(tokens))
         first_kept = start + lengths - np.asarray(keep)  # row index of each chain's first kept row
-        out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) for k in keep]
+        out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) if fetch else np.empty(k, np.int64)
+               for k in keep]
         s = 0
         for graph, n in self.runner.plan(len(tokens), self.max_rows):
             rows, s = np.arange(s, s + n), s + n
@@ -147,8 +165,11 @@ class Forest:
             wanted = rows[rows >= first_kept[o]]
             if graph == graph_io.PREFILL and (wanted == rows[-1]).all():  # a prompt chunk: the last row's logits
                 graph = self.runner.prefill_graph
-            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, call_sees, check)
+            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, call_sees, check, fetch)
+            if not fetch:
+                logits = np.where(self.runner.finite(), self.runner.argmax(), -1)
             self.runner.store(rows - rows[0], slots[rows])
+            self._writes = self.runner.writes
             for r in wanted:
                 out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0] if len(logits) == n else 0]
         for b, branch in enumerate(branches):

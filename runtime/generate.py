@@ -1,9 +1,10 @@
-"""Generation: the public entry points and the autoregressive hot loop.
+"""Generation: the public entry points.
 
-`generate()` returns a GenerationResult; `stream()` yields text as it is produced. Both run the
-same token generator (autoregressive here, speculative in runtime/speculative.py) inside
-`Generation`, which applies the shared stopping rules (runtime/results.py). With `n`, generate()
-hands over to MultiDecode (runtime/multi.py): n sampled branches in one call per step.
+`generate()` returns a GenerationResult; `stream()` yields text as it is produced. Both run one
+request on the artifact's engine (runtime/engine.py), autoregressive or with a speculation method's
+drafter (runtime/speculative.py makes it); the engine applies the stopping rules
+(runtime/results.py). With `n`, generate() hands over to MultiDecode (runtime/multi.py): n sampled
+branches in one call per step.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
-
-from common import graph_io
 from runtime.artifact import Artifact
+from runtime.engine import Event, Request, check_fits, engine_of
 from runtime.load import load_artifact
+from runtime.model_runner import NonFiniteLogitsError
 from runtime.multi import MultiResult, collect, start_branches
 from runtime.request import (
+    Decoding,
     check_draft_length,
     check_optional_bool,
     decoding,
@@ -26,84 +27,71 @@ from runtime.request import (
     method_settings,
     speculation_method,
 )
-from runtime.results import GenerationResult, Metrics, TextPieces, finish_reason
-from runtime.sampling import SamplingParams, next_token
-from runtime.speculative import make_drafter, speculative
-
-
-def autoregressive(art: Artifact, prompt: np.ndarray, params: SamplingParams, rng) -> Iterator[int]:
-    """The hot loop: prefill, then one decode call per token until the context is full. Greedy on a
-    device target reads each call's greedy token, not its logits (ModelRunner.run_rows: fetch)."""
-    tlm = art.tlm
-    fetch = params.do_sample or not tlm.greedy_outputs
-    logits = tlm.start(prompt, fetch)
-    token = next_token(logits, params, rng) if fetch else int(tlm.argmax()[-1])
-    while True:
-        yield token
-        if tlm.length >= tlm.max_length:
-            return
-        logits = tlm.forward(graph_io.DECODE, np.array([token]), fetch)
-        token = next_token(logits[0], params, rng) if fetch else int(tlm.argmax()[0])
+from runtime.results import GenerationResult, Metrics, TextPieces
+from runtime.round_stats import RoundStats
+from runtime.sampling import SamplingParams
+from runtime.speculative import make_drafter
 
 
 class Generation:
-    """One generation: iterate for token ids as they come; `.result` is set when it ends."""
+    """One generation on the artifact's engine: iterate for token ids as they come; `.result` is set when
+    it ends."""
 
-    def __init__(
-        self,
-        art: Artifact,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        seed: int | None,
-        stop: Sequence[str],
-        method: str | None,
-        settings: object = None,
-        draft_params: SamplingParams | None = None,
-        draft_length: int | None = None,
-    ) -> None:
-        self.art, self.prompt_ids, self.max_new_tokens = art, prompt_ids, max_new_tokens
-        self.params, self.stop, self.method, self.settings = params, tuple(stop), method, settings
-        self.draft_params = draft_params or params
-        self.draft_length = draft_length
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, art: Artifact, prompt_ids: list[int], max_new_tokens: int, d: Decoding, method: str | None,
+                 settings: object = None, draft_params: SamplingParams | None = None,
+                 draft_length: int | None = None) -> None:
+        self.art, self.prompt_ids, self.method, self.settings = art, prompt_ids, method, settings
+        # past the context, a generation ends ("length"): its new tokens are cut to what fits
+        self.max_new_tokens = min(max_new_tokens, art.manifest.context_length - len(prompt_ids) + 1)
+        self.d, self.draft_params, self.draft_length = d, draft_params or d.params, draft_length
         self.result: GenerationResult | None = None
         self.stats: dict = {}
-
-    def _tokens(self) -> Iterator[int]:
-        prompt = np.asarray(self.prompt_ids, dtype=np.int64)
-        if self.method is None:
-            return autoregressive(self.art, prompt, self.params, self.rng)
-        drafter = make_drafter(self.art, self.method, self.settings, self.params, self.draft_params, self.rng,
-                               self.draft_length)
-        return speculative(self.art, prompt, self.params, drafter, self.rng, self.stats)
 
     def __iter__(self) -> Iterator[int]:
         with self.art.exclusive():
             yield from self._run()
 
+    def _request(self, events: list[Event]) -> Request:
+        req = Request(list(self.prompt_ids), self.d, self.max_new_tokens, events.append)
+        if self.method is not None:
+            req.drafter = make_drafter(self.art, self.method, self.settings, self.d.params, self.draft_params, req.rng,
+                                       self.draft_length)
+            req.rounds = RoundStats()
+        return req
+
     def _run(self) -> Iterator[int]:
         start = time.perf_counter()
+        engine, events = engine_of(self.art), []
+        req = self._request(events)
+        check_fits(self.art, [req])
+        calls0 = self.art.tlm.calls
+        engine.add([req])
         ids: list[int] = []
         finish, ttft = "length", 0.0
-        tokens = self._tokens()
         try:
-            for token in tokens:
-                if not ids:
-                    ttft = time.perf_counter() - start
-                ids.append(token)
-                yield token
-                reason = finish_reason(self.art, ids, self.stop, self.max_new_tokens)
-                if reason:
-                    finish = reason
-                    break
+            while engine.busy:
+                engine.admit()
+                engine.step()
+                for event in events:
+                    if event.error:
+                        raise NonFiniteLogitsError(event.error)
+                    if event.token is None:
+                        finish = event.finish
+                        continue
+                    if not ids:
+                        ttft = time.perf_counter() - start
+                    ids.append(event.token)
+                    yield event.token
+                events.clear()
         finally:
-            tokens.close()
+            engine.abort(req)  # the caller stopped reading (or a step failed): its slots are free again
+            if req.rounds is not None:
+                self.stats.update(req.rounds.summary(self.method, self.art.tlm.calls - calls0) | req.drafter.summary())
         total = time.perf_counter() - start
         decode = total - ttft
         metrics = Metrics(
             prompt_tokens=len(self.prompt_ids),
-            cached_prompt_tokens=self.art.tlm.reused,
+            cached_prompt_tokens=req.cached,
             new_tokens=len(ids),
             ttft_s=ttft,
             decode_s=decode,
@@ -146,8 +134,7 @@ def start_generation(
     settings = method_settings(art, method, lookahead, prompt_lookup)
     check_draft_length(art, method, settings, draft_length)
     ids, d = encode_prompt(art, prompt, chat), d.with_recipe(art)
-    return Generation(art, ids, d.new_tokens(art), d.params, seed, d.stop, method, settings, draft_sampling,
-                      draft_length)
+    return Generation(art, ids, d.new_tokens(art), d, method, settings, draft_sampling, draft_length)
 
 
 def generate(artifact: str | Path | Artifact, prompt: str | Sequence[int], n: int | None = None,

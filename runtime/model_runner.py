@@ -75,6 +75,7 @@ class ModelRunner:
         self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
         self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
+        self.writes = 0  # changes to the cache's contents or length (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
@@ -180,6 +181,10 @@ class ModelRunner:
         """The last call's rows' greedy tokens [n] (np.argmax of each row's logits, the first on ties)."""
         return self._last.greedy_tokens(self._rows)
 
+    def finite(self) -> np.ndarray:
+        """Whether each of the last call's rows' logits are all finite [n] (the graph's own check on a device)."""
+        return self._last.finite(self._rows)
+
     def commit(self, rows: list[int] | np.ndarray) -> None:
         """Append the KV of these rows of the last `run` (in order: the root and an accepted path,
         say) to the cache; the rows left out are never attended to again."""
@@ -197,6 +202,7 @@ class ModelRunner:
         m = len(rows)
         if m:
             self.length = min(self.length, int(slots.min()))
+        self.writes += 1
         self.place.store(self._last, self._first + np.asarray(rows, dtype=np.int64), slots)
 
     def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
@@ -211,6 +217,7 @@ class ModelRunner:
         """Forget every slot from `length` on (rejected speculative tokens are never seen again)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot rewind to {length} (valid length {self.length})")
+        self.writes += 1  # a forest's prefix cache forgets: "cold" (tests), or another writer
         self.length = length
 
     def start(self, prompt: np.ndarray, fetch: bool = True) -> np.ndarray | None:

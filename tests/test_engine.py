@@ -1,0 +1,110 @@
+"""The engine step (runtime/engine.py): every way of generating through one step, against each sequence alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runtime
+from runtime.batch_policy import BatchDraftPolicy
+from runtime.engine import Engine, engine_of, make_requests
+from runtime.request import batched_speculation, decoding
+from runtime.round_stats import RoundStats
+from runtime.speculative import make_drafter
+
+N = 12
+LONG = [0, *range(20, 60)]  # past several prefill chunks of the largest graph
+REPEATS = [0, *range(40, 52), *range(40, 48)]  # prompt lookup finds matches
+
+
+@pytest.fixture(scope="module")
+def art(artifact_dir):
+    art = runtime.load_artifact(artifact_dir)
+    art.eos_token_ids = frozenset()
+    return art
+
+
+def _alone(art, prompt, **kw):
+    return runtime.generate(art, prompt, max_new_tokens=N, **kw).token_ids
+
+
+def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
+    """One engine, one batch: a long prompt prefilled in chunks while the others decode, a plain request,
+    the server's prompt lookup and draft model (the batch's chains), and a generation's own lookahead drafter
+    with its tree and window rows. Every greedy output equals that prompt decoded alone, and the rows of
+    several requests shared calls."""
+    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    greedy = decoding(max_new_tokens=N, do_sample=False)
+    out: dict[int, list[int]] = {}
+
+    def listen(i):
+        return lambda e: out.setdefault(i, []).append(e.token) if e.token is not None else None
+
+    engine = Engine(art, prefix_cache=False)
+    specs = [None, None, batched_speculation(art, "prompt_lookup", 2), batched_speculation(art, "draft", 2), None]
+    prompts = [LONG, [0, 77, 78], REPEATS, [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
+    reqs = [make_requests(art, p, [greedy], [listen(i)], spec)[0] for i, (p, spec) in enumerate(zip(prompts, specs,
+                                                                                                    strict=True))]
+    reqs[4].drafter = make_drafter(art, "lookahead", runtime.request.method_settings(art, "lookahead", None, None),
+                                   reqs[4].decoding.params, reqs[4].decoding.params, reqs[4].rng, None)
+    reqs[4].rounds = RoundStats()
+    for r in reqs:
+        engine.add([r])
+    with art.exclusive():
+        engine.run()
+    for i, prompt in enumerate(prompts):
+        assert out[i] == _alone(art, prompt, speculative=False), i
+    assert engine.stats["drafted"] > 0 and engine.stats["accepted"] > 0
+    rounds = reqs[4].rounds  # every token after the first came from a round: its accepted drafts and one more
+    assert rounds.delivered == N - 1 <= rounds.accepted + rounds.rounds + rounds.plain_steps and rounds.rounds > 0
+    assert engine.stats["calls"] < engine.stats["steps"] * 2  # rows of every request in a call or two a step
+    assert not engine.live and engine.forest.free_slots() == art.manifest.capacity  # all slots back
+
+
+@pytest.mark.parametrize("method", [False, "prompt_lookup", "lookahead", "draft"])
+def test_greedy_steps_without_logits_give_the_same_tokens(art, artifact_dir, method, monkeypatch):
+    """A device target's graphs return each row's greedy token (the logits stay on the device): a step whose
+    requests are all greedy reads those. Forced here on the CPU (the runner's argmax of its logits), every
+    method gives the tokens it gives from the logits."""
+    fresh = runtime.load_artifact(artifact_dir)
+    fresh.eos_token_ids = frozenset()
+    monkeypatch.setattr(fresh.tlm, "greedy_outputs", True)
+    fetched = []
+    real = fresh.tlm.run_rows
+
+    def spy(graph, tokens, cache_sees, sees, check=True, fetch=True):
+        fetched.append(fetch)
+        return real(graph, tokens, cache_sees, sees, check, fetch)
+
+    monkeypatch.setattr(fresh.tlm, "run_rows", spy)
+    prompt = REPEATS
+    assert _alone(fresh, prompt, speculative=method) == _alone(art, prompt, speculative=False)
+    assert fetched and not any(fetched)  # no call brought logits to the host
+    sampled = runtime.generate(fresh, prompt, max_new_tokens=N, do_sample=True, seed=4, speculative=False).token_ids
+    assert fetched[-1] and sampled == runtime.generate(art, prompt, max_new_tokens=N, do_sample=True, seed=4,
+                                                       speculative=False).token_ids
+
+
+def test_the_prefix_cache_is_forgotten_when_something_else_writes_the_cache(art):
+    """A generation's KV stays for the next (a chat's earlier turns); beam search, a rewind or another
+    writer of the runner's cache makes the engine forget it rather than attend to other tokens' KV."""
+    prompt = [0, *range(30, 60)]
+    first = runtime.generate(art, prompt, max_new_tokens=N, speculative=False)
+    again = runtime.generate(art, prompt + first.token_ids, max_new_tokens=4, speculative=False)
+    assert again.metrics.cached_prompt_tokens == len(prompt) + N - 1  # the control: the cache serves
+    runtime.beam_search(art, [0, 5, 6], num_beams=2, max_new_tokens=4)  # its own forest over the same slots
+    cold = runtime.generate(art, prompt + first.token_ids, max_new_tokens=4, speculative=False)
+    assert cold.metrics.cached_prompt_tokens == 0 and cold.token_ids == again.token_ids
+    art.tlm.rewind(0)
+    assert runtime.generate(art, prompt, max_new_tokens=2).metrics.cached_prompt_tokens == 0
+
+
+def test_a_stream_closed_early_frees_its_slots(art):
+    pieces = runtime.stream(art, [0, *range(60, 80)], max_new_tokens=N, speculative="prompt_lookup")
+    next(pieces)
+    pieces.close()
+    engine = engine_of(art)
+    assert not engine.live and not engine.waiting
+    assert engine.forest.free_slots() == art.manifest.capacity
+    assert np.array_equal(_alone(art, [0, *range(60, 80)], speculative=False),
+                          _alone(art, [0, *range(60, 80)], speculative="prompt_lookup"))

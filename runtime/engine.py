@@ -252,10 +252,11 @@ class Engine:
                 req.admitted = time.perf_counter()
                 self.live.append(req)
 
-    def abort(self, req: Request) -> None:
-        """End a request now (a generation whose caller stopped reading): its slots are freed at once."""
+    def abort(self, req: Request, reason: str = "cancelled") -> None:
+        """End a request now (a generation whose caller stopped reading, or whose step failed: "error", its
+        KV not kept): its slots are freed at once."""
         if req in self.live:
-            self._finish(req, "cancelled")
+            self._finish(req, reason)
         else:
             self.waiting = deque(g for g in ([r for r in g if r is not req] for g in self.waiting) if g)
 

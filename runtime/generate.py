@@ -83,8 +83,11 @@ class Generation:
                     ids.append(event.token)
                     yield event.token
                 events.clear()
+        except Exception:
+            engine.abort(req, "error")
+            raise
         finally:
-            engine.abort(req)  # the caller stopped reading (or a step failed): its slots are free again
+            engine.abort(req)  # the caller stopped reading: its slots are free again
             if req.rounds is not None:
                 self.stats.update(req.rounds.summary(self.method, self.art.tlm.calls - calls0) | req.drafter.summary())
         total = time.perf_counter() - start

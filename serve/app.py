@@ -188,7 +188,8 @@ class Metrics:
         for name, value, text in [
             ("tokens_per_second", s["tokens"] / s["busy_s"] if s["busy_s"] else 0.0, "tokens per busy second"),
             ("acceptance_rate", s["accepted"] / s["drafted"] if s["drafted"] else 0.0, "accepted / drafted"),
-            ("queue_depth", len(sch.waiting), "requests waiting"), ("batch_occupancy", len(sch.live), "live requests"),
+            ("queue_depth", len(sch.engine.waiting), "requests waiting"),
+            ("batch_occupancy", len(sch.engine.live), "live requests"),
             ("prefix_cache_tokens", s["prefix_cache_tokens"], "finished requests' tokens kept for reuse"),
         ]:
             yield GaugeMetricFamily(f"mxspd_{name}", text, value=value)
@@ -252,7 +253,7 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     batched_speculation(art, speculation or False)  # a bad default fails at start, not per request
     scheduler = Scheduler(art, max_queue=max_queue, prefix_cache=prefix_cache)
     metrics = Metrics(scheduler)
-    scheduler.on_finish = metrics.observe
+    scheduler.engine.on_finish = metrics.observe
     app = FastAPI(title="mxspd", lifespan=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.state.scheduler = scheduler

@@ -30,35 +30,15 @@ class Scheduler:
         KV for later prompts that start with the same tokens, the draft model's too."""
         self.engine = Engine(art, max_batch, prefix_cache)
         self.art, self.max_queue = art, max_queue
-        self.engine.on_finish = on_finish
+        self.engine.on_finish = on_finish  # called with each finished request (the server's metrics)
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)
         self._thread.start()
 
     @property
-    def on_finish(self) -> Callable[[Request], None] | None:
-        return self.engine.on_finish
-
-    @on_finish.setter
-    def on_finish(self, callback: Callable[[Request], None] | None) -> None:
-        self.engine.on_finish = callback
-
-    @property
     def stats(self) -> dict:
         return self.engine.stats
-
-    @property
-    def waiting(self) -> list[list[Request]]:
-        return list(self.engine.waiting)
-
-    @property
-    def live(self) -> list[Request]:
-        return list(self.engine.live)
-
-    @property
-    def prefix_cache(self) -> bool:
-        return self.engine.prefix_cache
 
     def submit(self, prompt: list[int], decoding: Decoding, listener: Callable[[Event], None] | None = None,
                spec: Speculation | None = None, logprobs: int | None = None, echo: bool = False) -> Request:

@@ -82,7 +82,7 @@ def test_the_device_cache_serves_branches_beams_and_a_reused_prefix(both):
     assert [b.token_ids for b in beams[0].sequences] == [b.token_ids for b in beams[1].sequences]
     first = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)
     again = runtime.generate(device, "import sys\nimport os\n", max_new_tokens=8)  # prefix found in the cache
-    assert device.tlm.reused > 0 and again.token_ids == first.token_ids
+    assert again.metrics.cached_prompt_tokens > 0 and again.token_ids == first.token_ids
 
 
 def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both, artifact_dir):
@@ -114,7 +114,7 @@ def test_cuda_graphs_are_captured_once_per_thread_and_change_no_generation(both,
     worker.join()
     result, ident = again[0]
     assert art.tlm.place.captured == {threading.get_ident(), ident} and ident in art.dlm.place.captured
-    assert art.tlm.reused > 0 and result.token_ids == first.token_ids
+    assert result.metrics.cached_prompt_tokens > 0 and result.token_ids == first.token_ids
 
 
 def test_the_call_pattern_benchmark_times_each_call_and_leaves_the_sequence_as_it_was(both):

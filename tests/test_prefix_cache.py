@@ -58,6 +58,7 @@ def test_repeated_generate_prefills_only_the_new_turn_and_equals_a_cold_run(flat
         art.tlm.rewind(0)  # cold
         cold = runtime.generate(art, conversation, max_new_tokens=16, speculative=False)
         assert cold.metrics.cached_prompt_tokens == 0
+        art.tlm.rewind(0)  # the cold run's KV is forgotten too
         runtime.generate(art, system + [5, 6], max_new_tokens=12, speculative=False)  # warm: the first turn
         warm = runtime.generate(art, conversation, max_new_tokens=16, speculative=method)
         assert warm.metrics.cached_prompt_tokens == len(system) + 2 + len(first.token_ids) - 1
@@ -88,7 +89,7 @@ def test_server_turns_reuse_cached_prefixes_and_equal_cold_runs(flat, checkpoint
 
     scheduler, served = Scheduler(art), []  # (prompt, new tokens, answer)
     try:
-        assert scheduler.prefix_cache
+        assert scheduler.engine.prefix_cache
         conversation = system
         for turn, spec in enumerate([None, batched_speculation(art, "prompt_lookup", 2),
                                      batched_speculation(art, "draft", 2)]):

@@ -109,9 +109,9 @@ def test_an_echoed_prompt_with_nan_logits_fails_alone(artifact_dir, monkeypatch)
     art = runtime.load_artifact(artifact_dir)
     real = art.tlm.run_rows
 
-    def poisoned(graph, tokens, cache_sees, sees, check=True):
-        logits = real(graph, tokens, cache_sees, sees, False)
-        logits[np.asarray(tokens) == 47] = np.nan  # a token early in the prompt below
+    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True):
+        logits = real(graph, tokens, cache_sees, sees, False, fetch)
+        logits[(np.asarray(tokens) == 47)[-len(logits):]] = np.nan  # a token early in the prompt below
         return logits
 
     monkeypatch.setattr(art.tlm, "run_rows", poisoned)

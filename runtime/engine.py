@@ -221,6 +221,8 @@ class Engine:
 
     def admit(self) -> None:
         """Move waiting requests in while the cache can hold all they may need."""
+        if not self.waiting:
+            return
         forest, dlm = self.forest, self.dlm
         room = forest.free_slots() - sum(r.need for r in self.live)
         dlm_room = dlm.free_slots() - sum(r.dlm_need for r in self.live) if dlm is not None else 0
@@ -279,12 +281,13 @@ class Engine:
                 req.leader, req.branch = None, forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
                 req.cached = req.branch.length
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
-        draft_s = time.perf_counter()
-        proposals = self._propose([r for r in running if r.spec or r.drafter])
+        draft_s, speculating = time.perf_counter(), [r for r in running if r.spec or r.drafter]
+        proposals = self._propose(speculating) if speculating else {}
         draft_s = time.perf_counter() - draft_s
         fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
         for req in running:
-            tokens, _, tree = proposals.get(id(req), NONE).rows(req.tokens[-1])
+            proposal = proposals.get(id(req), NONE)
+            tokens, _, tree = proposal.rows(req.tokens[-1]) if not proposal.empty else ([req.tokens[-1]], None, None)
             fed.append(req)
             chains.append(list(tokens))
             sees.append(tree)

@@ -13,6 +13,8 @@ cached slots are given back, least recently used first, when a new token needs o
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from common import graph_io
@@ -48,6 +50,7 @@ class Forest:
         self.live: list[Branch] = []
         self.cache = PrefixCache(runner.context) if prefix_cache else None
         self._writes = runner.writes  # the runner's cache as this forest last left it
+        self._tri = np.tri(largest, dtype=bool)  # a chain's rows see their predecessors
 
     def _check_writer(self) -> None:
         """Forget the cached prefixes if anything else changed the runner's cache since this forest did
@@ -135,48 +138,70 @@ class Forest:
         graph's own argmax crosses to the host, not the logits: ModelRunner.run_rows).
         """
         self._check_writer()
-        lengths = np.array([len(c) for c in chains], dtype=np.int64)
+        lengths = [len(c) for c in chains]
         if len(branches) != len(chains) or len(keep) != len(chains) or not chains:
             raise ValueError(f"extend needs one chain per branch, got {len(branches)} branches, {len(chains)} chains")
         if len({id(b) for b in branches}) < len(branches) or any(b not in self.live for b in branches):
             raise ValueError("extend needs distinct, live branches (fork a branch to extend it twice)")
-        if (lengths < 1).any():
+        if min(lengths) < 1:
             raise ValueError("every chain needs at least one token")
         if any(not 1 <= k <= n for k, n in zip(keep, lengths, strict=True)):
             raise ValueError("each chain keeps between 1 and all of its rows' logits")
-        owner = np.repeat(np.arange(len(chains)), lengths)
-        start = np.cumsum(lengths) - lengths  # each chain's first row
-        every = np.zeros((len(owner), len(owner)), dtype=bool)  # which rows each row sees: chains' blocks
-        for b, m in enumerate(sees or [None] * len(chains)):
-            every[start[b] : start[b] + lengths[b], start[b] : start[b] + lengths[b]] = \
-                np.tri(lengths[b], dtype=bool) if m is None else m
-        tokens = np.concatenate([np.asarray(c, dtype=np.int64) for c in chains])
+        starts = list(itertools.accumulate(lengths, initial=0))  # chain b's rows: starts[b] .. starts[b + 1] - 1
+        tokens = np.fromiter(itertools.chain.from_iterable(chains), np.int64, starts[-1])
         slots = self._allocate(len(tokens))
-        first_kept = start + lengths - np.asarray(keep)  # row index of each chain's first kept row
+        if len(self._tri) < len(tokens):
+            self._tri = np.tri(len(tokens), dtype=bool)
+        plan = self.runner.plan(len(tokens), self.max_rows)
+        if len(chains) == 1 and len(plan) == 1:  # the common call (a decode step, a round, a chunk): lean
+            (graph, n), k = plan[0], keep[0]
+            graph = self.runner.prefill_graph if graph == graph_io.PREFILL and k == 1 else graph
+            sees_n = self._tri[:n, :n] if not sees or sees[0] is None else sees[0]
+            logits = self._run(graph, tokens, branches[0].view, sees_n, check, fetch)
+            self.runner.store(np.arange(n), slots)
+            out = [logits[len(logits) - k :]]  # a view (valid until the graph's next run)
+        else:
+            out = self._calls(plan, branches, tokens, slots, lengths, starts, keep, sees, check, fetch)
+        self._writes = self.runner.writes
+        mine = [slots[a:z] for a, z in itertools.pairwise(starts)]
+        for branch, own in zip(branches, mine, strict=True):
+            branch.view[own] = True
+            branch.order.extend(own.tolist())
+        return out, mine
+
+    def _run(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray, check: bool,
+             fetch: bool) -> np.ndarray:
+        """One call's logits, or with fetch=False its rows' greedy tokens (-1 where a row's logits are not finite)."""
+        logits = self.runner.run_rows(graph, tokens, cache_sees, sees, check, fetch)
+        return logits if fetch else np.where(self.runner.finite(), self.runner.argmax(), -1)
+
+    def _calls(self, plan: list[tuple[str, int]], branches: list[Branch], tokens: np.ndarray, slots: np.ndarray,
+               lengths: list[int], starts: list[int], keep: list[int], sees: list[np.ndarray | None] | None,
+               check: bool, fetch: bool) -> list[np.ndarray]:
+        """Several chains, or rows past one call: each call's rows see their branches' views and the rows of
+        their own chain, in earlier calls' slots or in this call."""
+        owner = np.repeat(np.arange(len(lengths)), lengths)
+        every = np.zeros((len(owner), len(owner)), dtype=bool)  # which rows each row sees: chains' blocks
+        for b, m in enumerate(sees or [None] * len(lengths)):
+            a, z = starts[b], starts[b + 1]
+            every[a:z, a:z] = self._tri[: z - a, : z - a] if m is None else m
+        first_kept = np.array(starts[1:]) - np.asarray(keep)  # row index of each chain's first kept row
         out = [np.empty((k, self.runner.dims.vocab_size), dtype=np.float32) if fetch else np.empty(k, np.int64)
                for k in keep]
         s = 0
-        for graph, n in self.runner.plan(len(tokens), self.max_rows):
+        for graph, n in plan:
             rows, s = np.arange(s, s + n), s + n
             o = owner[rows]
             cache_sees = np.stack([branches[b].view for b in o])
             cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
-            call_sees = every[rows[0] : s, rows[0] : s]
             wanted = rows[rows >= first_kept[o]]
             if graph == graph_io.PREFILL and (wanted == rows[-1]).all():  # a prompt chunk: the last row's logits
                 graph = self.runner.prefill_graph
-            logits = self.runner.run_rows(graph, tokens[rows], cache_sees, call_sees, check, fetch)
-            if not fetch:
-                logits = np.where(self.runner.finite(), self.runner.argmax(), -1)
+            logits = self._run(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, fetch)
             self.runner.store(rows - rows[0], slots[rows])
-            self._writes = self.runner.writes
             for r in wanted:
                 out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0] if len(logits) == n else 0]
-        for b, branch in enumerate(branches):
-            mine = slots[start[b] : start[b] + lengths[b]]
-            branch.view[mine] = True
-            branch.order.extend(mine.tolist())
-        return out, np.split(slots, start[1:])
+        return out
 
     def trim(self, branch: Branch, slots: np.ndarray) -> None:
         """Take tokens back out of a branch (rejected drafts): their slots are free again unless another
@@ -189,10 +214,10 @@ class Forest:
 
     def _allocate(self, n: int) -> np.ndarray:
         pinned = self.pinned()
-        if self.cache is not None:
+        free = np.flatnonzero(~(pinned | self.cache.held) if self.cache is not None else ~pinned)
+        if len(free) < n and self.cache is not None:  # give cached prefixes back, least recently used first
             self.cache.evict(n, pinned)
-            pinned |= self.cache.held
-        free = np.flatnonzero(~pinned)
+            free = np.flatnonzero(~(pinned | self.cache.held))
         if len(free) < n:
             raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "
                                 f"{self.runner.context} are free")

@@ -21,6 +21,7 @@ device, committing moving KV there, each fixed-shape graph replayed as one CUDA 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -83,6 +84,8 @@ class ModelRunner:
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
                            for name, g in entry.graphs.items()}
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
+        self._planned_for: tuple[GraphEntry, ...] = ()
+        self._plans: dict[tuple[int, int | None], list[tuple[str, int]]] = {}
         # every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py), so greedy
         # decoding runs with fetch=False and reads `argmax()`, never the logits
         self.greedy_outputs = all(g.greedy_outputs for g in self.graphs.values())
@@ -111,8 +114,17 @@ class ModelRunner:
         return graph_io.fitting_graph({name: g.tokens for name, g in self._every_row()}, rows)
 
     def plan(self, rows: int, max_rows: int | None = None) -> list[tuple[str, int]]:
-        """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls)."""
-        return graph_io.plan_calls({name: (g.tokens, g.cost_ms) for name, g in self._every_row()}, rows, max_rows)
+        """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls).
+        Remembered per row count while the graphs' entries stay the same objects (a step asks every time)."""
+        entries = tuple(self.entries.values())
+        same = len(entries) == len(self._planned_for) and all(map(operator.is_, entries, self._planned_for))
+        if not same:
+            self._planned_for, self._plans = entries, {}
+        key = (rows, max_rows)
+        if key not in self._plans:
+            costs = {name: (g.tokens, g.cost_ms) for name, g in self._every_row()}
+            self._plans[key] = graph_io.plan_calls(costs, rows, max_rows)
+        return self._plans[key]
 
     def _every_row(self) -> list[tuple[str, GraphEntry]]:
         """The graphs that return every row's logits, which any call may run (PREFILL_LAST returns the last

@@ -1,0 +1,88 @@
+"""Single-stream decode and the host's time per call, this tree against another checkout, alternated.
+
+    python -m benchmarks.host_time ARTIFACT [--against CHECKOUT] [--rounds 2] [--tokens 96]
+
+Each measurement runs in its own process from its checkout (so each tree's own runtime loads the
+same artifact): three greedy generations of `--tokens` tokens, with speculation off and with prompt
+lookup, the median of each; host µs per call = (wall time - time inside the runner's calls) / calls,
+the Python around ONNX Runtime. The checkouts alternate `--rounds` times (the machine drifts), and
+the table shows every round and this tree's median over the other's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPT = "Explain, step by step, how a hash table handles collisions, and give a short Python example."
+METHODS = {"autoregressive": False, "prompt lookup": "prompt_lookup"}
+
+
+def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
+    """In this process: tokens/s and host µs per call of each method, medians of three generations."""
+    import runtime
+
+    art = runtime.load_artifact(artifact)
+    out = {}
+    for name, method in METHODS.items():
+        runtime.generate(art, PROMPT, max_new_tokens=16, speculative=method)  # warm
+        rates, host = [], []
+        for _ in range(3):
+            art.tlm.rewind(0)  # cold: each generation prefills its prompt
+            seconds, calls = art.tlm.call_s, art.tlm.calls
+            r = runtime.generate(art, PROMPT, max_new_tokens=tokens, do_sample=False, speculative=method)
+            rates.append(r.metrics.decode_tokens_per_s)
+            host.append((r.metrics.total_s - (art.tlm.call_s - seconds)) / (art.tlm.calls - calls) * 1e6)
+        out[name] = {"tok_s": statistics.median(rates), "host_us": statistics.median(host)}
+    return out
+
+
+def _run(checkout: Path, artifact: str, tokens: int) -> dict:
+    """This file's `measure`, run in a process whose runtime is the checkout's (it need not have this file)."""
+    command = [sys.executable, __file__, artifact, "--tokens", str(tokens), "--measure"]
+    done = subprocess.run(command, cwd=checkout, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{checkout}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'failed'}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact")
+    ap.add_argument("--against", help="another checkout of mxspd (e.g. a git worktree of an older commit)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one measurement, as JSON
+    args = ap.parse_args()
+    if args.measure:
+        sys.path.insert(0, os.getcwd())  # the checkout's packages, not this file's folder
+        print(json.dumps(measure(args.artifact, args.tokens)))
+        return
+    artifact = str(Path(args.artifact).resolve())
+    trees = {"this tree": Path(__file__).resolve().parent.parent}
+    if args.against:
+        trees["against"] = Path(args.against).resolve()
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            runs[name].append(_run(tree, artifact, args.tokens))
+    print("| tree | method | tok/s per round | host µs per call per round |\n|---|---|---|---|")
+    for name in trees:
+        for method in METHODS:
+            rates = ", ".join(f"{r[method]['tok_s']:.1f}" for r in runs[name])
+            host = ", ".join(f"{r[method]['host_us']:.0f}" for r in runs[name])
+            print(f"| {name} | {method} | {rates} | {host} |")
+    if args.against:
+        for method in METHODS:
+            ratio = [statistics.median(r[method][k] for r in runs["this tree"]) /
+                     statistics.median(r[method][k] for r in runs["against"]) for k in ("tok_s", "host_us")]
+            print(f"{method}: this tree / against: tok/s {ratio[0]:.3f}x, host µs per call {ratio[1]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

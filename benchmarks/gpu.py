@@ -69,7 +69,6 @@ def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
     decode call" means after a decode call and its commit. Shows whether alternating graphs, or the
     commits, cost what the calls alone do not (with CUDA graphs they do not: docs/benchmarks-history.md)."""
     runner = art.tlm
-    runner.rewind(0)
     runner.start(np.asarray(prompt))
     length, decode, score = runner.length, graph_io.DECODE, runner.graph_for(5)
     one_token, five = np.asarray(prompt[-1:]), np.asarray(prompt[-5:])

@@ -6,11 +6,9 @@ The cache is host-owned: slot s holds the token at position s of the committed s
 `length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
 as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
 token tree), so rows left out are never attended to again, and a rewind (purging committed
-speculative tokens) is just a smaller `length`. The runner remembers which token each committed
-slot holds, so a prompt that starts with the committed tokens prefills only the rest (`start`;
-exact because batch-invariant graphs give a row the same KV whatever call computed it). Forests
-of sequences over one cache (runtime/forest.py) use the general pair underneath: `run_rows` (each
-row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
+speculative tokens) is just a smaller `length` (a draft model's drafter drives its runner so). The
+engine's forest of sequences over one cache (runtime/forest.py) uses the general pair underneath:
+`run_rows` (each row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs. Where the tensors
 live and how the sessions open is the placement's (runtime/placement.py): host arrays on the CPU
@@ -72,9 +70,6 @@ class ModelRunner:
         self.max_length = max_length or slots
         self.place = _placement(artifact_dir, entry, slots, target, threads, device_cache, cuda_graph)
         self.length = 0
-        self.history = np.zeros(slots, dtype=np.int64)  # the token in each committed slot
-        self.reuse = entry.batch_invariant  # prefix reuse is exact only on batch-invariant graphs
-        self.reused = 0  # prompt tokens the last `start` found in the cache
         self.calls = 0  # graph runs, for metrics
         self.writes = 0  # changes to the cache's contents or length (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
@@ -205,7 +200,6 @@ class ModelRunner:
         if start + m > self.context:
             raise ValueError(f"{start + m} tokens exceed the cache's {self.context} slots")
         self.store(rows, np.arange(start, start + m))
-        self.history[start : start + m] = self._last.input_ids[0, self._first + rows]
         self.length = start + m
 
     def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
@@ -233,16 +227,10 @@ class ModelRunner:
         self.length = length
 
     def start(self, prompt: np.ndarray, fetch: bool = True) -> np.ndarray | None:
-        """Begin a sequence: keep the committed slots that already hold a prefix of `prompt` (all but its
-        last token at most), prefill the rest, return the last token's logits (`fetch`: see run_rows)."""
-        keep = 0
-        if self.reuse:
-            n = min(self.length, len(prompt) - 1)
-            differ = np.flatnonzero(self.history[:n] != prompt[:n])
-            keep = int(differ[0]) if len(differ) else max(n, 0)
-        self.rewind(keep)
-        self.reused = keep
-        return self.prefill(prompt[keep:], fetch)
+        """Begin a sequence in slots 0..: prefill `prompt`, return its last token's logits (`fetch`: see
+        run_rows). Reusing an earlier sequence's prefix is the engine's (its forest's prefix cache)."""
+        self.rewind(0)
+        return self.prefill(prompt, fetch)
 
     def prefill(self, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
         """Process a prompt in the cheapest chunks (`plan`); return the last token's logits (`fetch`: see

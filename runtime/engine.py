@@ -68,7 +68,7 @@ class Event:
     logprob: TokenLogprob | None = None  # the token's, where the request asked for log probabilities
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in self.live` must not compare prompts
 class Request:
     prompt: list[int]
     decoding: Decoding  # with the recipe's values applied
@@ -276,14 +276,19 @@ class Engine:
         accepted = self.stats["accepted"]
         for req in [r for r in self.live if r.cancelled]:
             self._finish(req, "cancelled")
-        for req in self.live:  # a follower whose leader went away before sharing its prompt: on its own
+        for req in self.live:  # followers whose leader went away before sharing its prompt: the first leads
             if req.branch is None and req.leader not in self.live:
-                req.leader, req.branch = None, forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
+                gone, req.leader = req.leader, None
+                req.branch = forest.attach([] if req.echo else forest.cached_prefix(req.prompt))
                 req.cached = req.branch.length
+                for other in self.live:  # the rest follow it, as admission re-leads a group
+                    if other.leader is gone and other.branch is None:
+                        other.leader = req if other.prompt[: len(req.prompt)] == req.prompt else None
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
         draft_s, speculating = time.perf_counter(), [r for r in running if r.spec or r.drafter]
         proposals = self._propose(speculating) if speculating else {}
         draft_s = time.perf_counter() - draft_s
+        running = [r for r in running if r in self.live]  # a draft model's NaN ends only its own request
         fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
         for req in running:
             proposal = proposals.get(id(req), NONE)
@@ -307,8 +312,8 @@ class Engine:
         if not fed:
             return
         self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
-        fetch = not forest.runner.greedy_outputs or any(  # greedy alone: each row's token, not its logits
-            r.decoding.params.do_sample or r.logprobs is not None or r.echo for r in fed)
+        fetch = not forest.runner.greedy_outputs or any(  # greedy alone (followers too): tokens, not logits
+            r.decoding.params.do_sample or r.logprobs is not None or r.echo for r in self.live)
         t0 = time.perf_counter()
         kept, slots = forest.extend_rows([r.branch for r in fed], chains, keep, check=False, sees=sees, fetch=fetch)
         call_s = time.perf_counter() - t0
@@ -316,6 +321,8 @@ class Engine:
         for req in [r for r in fed if id(r) in chunk_at and r.echo]:  # row j: the prompt's next token's
             at, rows = chunk_at[id(req)], rows_of[id(req)][0]
             scored = rows[: len(req.prompt) - 1 - at]
+            if not len(scored):  # a last chunk of one token: nothing after it to score
+                continue
             if not np.isfinite(scored).all():
                 self._finish(req, "error", NON_FINITE)
                 continue

@@ -22,6 +22,7 @@ import numpy as np
 from runtime.artifact import Artifact
 from runtime.engine import Engine, Event, Request, check_fits, make_requests
 from runtime.load import load_artifact
+from runtime.model_runner import NonFiniteLogitsError
 from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
 from runtime.results import GenerationResult, Metrics, TextPieces
 
@@ -63,7 +64,7 @@ class MultiGeneration:
             self.group = [Request(context + c, o.with_recipe(art), max_new_tokens, f)
                           for c, o, f in zip(chains, own, listeners, strict=True)]
             if context:
-                lead = Request(list(context), d.with_recipe(art), 0, lambda e: None)
+                lead = Request(list(context), d.with_recipe(art), 0, lambda e: self.events.append((-1, e)))
                 for r in self.group:
                     r.leader = lead
                 self.group.insert(0, lead)
@@ -87,13 +88,13 @@ class MultiGeneration:
             engine.admit()
             engine.step()
             for i, event in self.events:
+                if event.error:  # the engine's only error: NaN/Inf logits (a step that raises raises here)
+                    raise NonFiniteLogitsError(event.error)
                 if event.token is not None:
                     ids[i].append(event.token)
                     yield i, event.token
-                else:
+                elif i >= 0:  # not the shared context's request
                     finish[i], ended[i] = event.finish, time.perf_counter() - start
-                    if event.error:
-                        raise RuntimeError(event.error)
             self.events.clear()
             if not ttft and all(ids):
                 ttft, first_step = time.perf_counter() - start, engine.stats["steps"]

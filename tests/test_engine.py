@@ -108,3 +108,66 @@ def test_a_stream_closed_early_frees_its_slots(art):
     assert engine.forest.free_slots() == art.manifest.capacity
     assert np.array_equal(_alone(art, [0, *range(60, 80)], speculative=False),
                           _alone(art, [0, *range(60, 80)], speculative="prompt_lookup"))
+
+
+def test_an_echo_whose_last_chunk_is_one_token_scores_the_whole_prompt(art):
+    """Chunks of the largest graph's rows, then one: the last chunk has no next prompt token to score."""
+    engine = Engine(art, prefix_cache=False)
+    prompt = [0, *range(100, 100 + engine.forest.max_rows)]  # max_rows + 1 tokens
+    req = make_requests(art, prompt, [decoding(max_new_tokens=1, do_sample=False)], [None], logprobs=1, echo=True)[0]
+    req.max_new_tokens = 0  # score the prompt only
+    engine.add([req])
+    with art.exclusive():
+        engine.run()
+    events = list(req.events())
+    assert events[-1].finish == "length" and len(req.prompt_logprobs) == len(prompt) - 1
+    assert [lp.token for lp in req.prompt_logprobs] == prompt[1:]
+
+
+def test_a_draft_models_nan_ends_only_its_own_request(art, monkeypatch):
+    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    good_prompt, bad_prompt = [0, 9, 8, 7, 6], [0, 201, 202, 203]
+    good_out, bad_out = (_alone(art, p, speculative=False) for p in (good_prompt, bad_prompt))
+    poison = next(t for t in bad_out[2:] if t not in good_out + good_prompt)  # fed to the DLM by the bad one only
+    real = art.dlm.run_rows
+
+    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True):  # as if the draft model did it
+        logits = real(graph, tokens, cache_sees, sees, False, fetch)
+        logits[(np.asarray(tokens) == poison)[-len(logits):]] = np.nan
+        return logits
+
+    monkeypatch.setattr(art.dlm, "run_rows", poisoned)
+    engine = Engine(art, prefix_cache=False)
+    spec = batched_speculation(art, "draft", 2)
+    greedy = decoding(max_new_tokens=N, do_sample=False)
+    good, bad = (make_requests(art, p, [greedy], [None], spec)[0] for p in (good_prompt, bad_prompt))
+    engine.add([good])
+    engine.add([bad])
+    with art.exclusive():
+        engine.run()
+    *tokens, end = list(good.events())
+    assert end.finish == "length" and [e.token for e in tokens] == good_out
+    *tokens, end = list(bad.events())
+    assert end.finish == "error" and "draft model" in end.error and [e.token for e in tokens][-1] == poison
+
+
+def test_followers_of_a_leader_gone_before_its_prompt_was_in_follow_the_next(art):
+    """Three choices of one prompt; the leader is cancelled after admission, before its prompt is in the
+    cache: the second choice leads, the third forks its prefilled prompt (the prompt is prefilled once)."""
+    engine = Engine(art, prefix_cache=False)
+    prompt = [0, *range(60, 80)]
+    sampled = [decoding(max_new_tokens=N, do_sample=True, seed=s) for s in (1, 2, 3)]
+    reqs = make_requests(art, prompt, sampled, [None] * 3)
+    engine.add(reqs)
+    with art.exclusive():
+        engine.admit()
+        reqs[0].cancelled = True
+        engine.step()
+        assert reqs[2].leader is reqs[1] and reqs[1].leader is None
+        while reqs[2].branch is None:
+            engine.step()
+        assert reqs[2].branch.order[: len(prompt)] == reqs[1].branch.order[: len(prompt)]  # its slots, forked
+        engine.run()
+    for r, s in zip(reqs[1:], (2, 3), strict=True):
+        assert [e.token for e in r.events() if e.token is not None] == runtime.generate(
+            art, prompt, max_new_tokens=N, do_sample=True, seed=s, speculative=False).token_ids

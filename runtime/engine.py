@@ -73,7 +73,7 @@ class Request:
     prompt: list[int]
     decoding: Decoding  # with the recipe's values applied
     max_new_tokens: int
-    listener: Callable[[Event], None]
+    listener: Callable[[Event], None] | None = None  # None: the events go to `events()`
     queue: queue.Queue[Event] = field(default_factory=queue.Queue)
     rng: np.random.Generator = field(init=False)
     tokens: list[int] = field(default_factory=list)
@@ -96,6 +96,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.decoding.seed)
+        self.listener = self.listener or self.queue.put
 
     def events(self) -> Iterator[Event]:
         """The request's events as they come (when it was made without a listener of its own)."""
@@ -146,11 +147,8 @@ def make_requests(art: Artifact, prompt: list[int], decodings: list[Decoding],
     """The choices of one prompt (OpenAI's `n`): the first leads, the others fork its prefilled prompt."""
     requests: list[Request] = []
     for d, listener in zip(decodings, listeners, strict=True):
-        req = Request(list(prompt), d.with_recipe(art), d.new_tokens(art), listener or (lambda e: None),
-                      leader=requests[0] if requests else None, spec=spec, logprobs=logprobs, echo=echo)
-        if listener is None:
-            req.listener = req.queue.put
-        requests.append(req)
+        requests.append(Request(list(prompt), d.with_recipe(art), d.new_tokens(art), listener,
+                                leader=requests[0] if requests else None, spec=spec, logprobs=logprobs, echo=echo))
     return requests
 
 

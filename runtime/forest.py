@@ -155,7 +155,7 @@ class Forest:
         plan = self.runner.plan(len(tokens), self.max_rows)
         if len(chains) == 1 and len(plan) == 1:  # the common call (a decode step, a round, a chunk): lean
             (graph, n), k = plan[0], keep[0]
-            graph = self.runner.prefill_graph if graph == graph_io.PREFILL and k == 1 else graph
+            graph = self._chunk_graph(graph, k == 1)
             sees_n = self._tri[:n, :n] if not sees or sees[0] is None else sees[0]
             logits = self._run(graph, tokens, branches[0].view, sees_n, check, fetch)
             self.runner.store(np.arange(n), slots)
@@ -168,6 +168,10 @@ class Forest:
             branch.view[own] = True
             branch.order.extend(own.tolist())
         return out, mine
+
+    def _chunk_graph(self, graph: str, last_row_only: bool) -> str:
+        """A prefill call that keeps only its last row's logits (a prompt chunk) runs PREFILL_LAST."""
+        return self.runner.prefill_graph if graph == graph_io.PREFILL and last_row_only else graph
 
     def _run(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray, check: bool,
              fetch: bool) -> np.ndarray:
@@ -195,8 +199,7 @@ class Forest:
             cache_sees = np.stack([branches[b].view for b in o])
             cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
             wanted = rows[rows >= first_kept[o]]
-            if graph == graph_io.PREFILL and (wanted == rows[-1]).all():  # a prompt chunk: the last row's logits
-                graph = self.runner.prefill_graph
+            graph = self._chunk_graph(graph, bool((wanted == rows[-1]).all()))
             logits = self._run(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, fetch)
             self.runner.store(rows - rows[0], slots[rows])
             for r in wanted:

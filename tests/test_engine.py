@@ -45,8 +45,9 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
     prompts = [LONG, [0, 77, 78], REPEATS, [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
     reqs = [make_requests(art, p, [greedy], [listen(i)], spec)[0] for i, (p, spec) in enumerate(zip(prompts, specs,
                                                                                                     strict=True))]
-    reqs[4].drafter = make_drafter(art, "lookahead", runtime.request.method_settings(art, "lookahead", None, None),
-                                   reqs[4].decoding.params, reqs[4].decoding.params, reqs[4].rng, None)
+    every_round = runtime.request.method_settings(art, "lookahead", {"adaptive": False}, None)  # no timed choice
+    reqs[4].drafter = make_drafter(art, "lookahead", every_round, reqs[4].decoding.params, reqs[4].decoding.params,
+                                   reqs[4].rng, None)
     reqs[4].rounds = RoundStats()
     for r in reqs:
         engine.add([r])

@@ -1,9 +1,14 @@
 """Drafting with a draft model (DLM): catch up on committed tokens, then sample a chain of k.
 
-Invariant between rounds: the DLM has processed the committed tokens except `pending` (1 token,
-2 after a full accept (the last draft and the bonus token), more after plain decode steps, all of
-them before the first draft of a generation), which it catches up on before drafting. Rejected
-drafts are purged by rewinding its cache.
+`DraftModelDrafter` drafts for one generation on the DLM's own cache. Invariant between rounds: the
+DLM has processed the committed tokens except `pending` (1 token, 2 after a full accept (the last draft
+and the bonus token), more after plain decode steps, all of them before the first draft of a
+generation), which it catches up on before drafting. Rejected drafts are purged by rewinding its cache.
+
+`BatchDraftModel` drafts for many requests at once (the server's batch): each is a branch of a forest
+over the DLM's cache, and every drafting request's i-th draft comes from one DLM call
+(`propose_batch`); a branch catches up on what it has not seen in the call of its first draft, and
+its rejected drafts are trimmed from it. A finished request's DLM prefix is kept for reuse, as the TLM's.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 
 from common import graph_io
 from runtime.draft_policy import DraftPolicy
+from runtime.forest import Branch, Forest
 from runtime.model_runner import ModelRunner
 from runtime.proposal import Proposal
 from runtime.sampling import SamplingParams, sample, warp
@@ -94,6 +100,92 @@ class DraftModelDrafter:
         self.policy.observe(k, accepted, round_ms - self.behind_s * 1e3, self.behind_s * 1e3, self.cold)
         self.behind_s, self.cold = 0.0, False
 
+    def end(self, text: list[int] | None) -> None:
+        pass  # the next generation's `start` rewinds the DLM
+
     def summary(self) -> dict:
         return {"k": self.policy.k_max, "draft_lengths_used": dict(sorted(self.k_used.items())),
                 "dlm_calls": self.dlm.calls - self.calls0}
+
+
+class BatchDraftModel:
+    name = "draft"
+
+    def __init__(self, forest: Forest, params: SamplingParams, rng: np.random.Generator, counters: dict) -> None:
+        """`counters`: the engine's stats, whose "draft_cached_tokens" counts the DLM prefixes reused."""
+        self.forest, self.params, self.rng, self.counters = forest, params, rng, counters
+        self.branch: Branch | None = None  # its DLM view; a cached prefix of its text is reused
+        self.fed: np.ndarray | None = None  # this round's slots of fed drafts: trimmed past the accepted ones
+
+    def start(self, committed: list[int]) -> None:
+        pass  # the DLM is fed at the first draft (a catch-up): while nothing drafts it never runs
+
+    @property
+    def used(self) -> int:
+        """DLM cache slots it holds."""
+        return 0 if self.branch is None else self.branch.length
+
+    def propose(self, committed: list[int], room: int) -> Proposal | None:
+        return self.propose_batch([self], [committed], [room])[0]
+
+    @staticmethod
+    def propose_batch(drafters: list[BatchDraftModel], texts: list[list[int]], rooms: list[int]
+                      ) -> list[Proposal | None]:
+        """Each drafter's chain of up to `room` drafts (None: the DLM gave NaN/Inf logits for it), the i-th
+        drafts of all of them in one call."""
+        out: list[Proposal | None] = [Proposal()] * len(drafters)
+        going = [i for i, room in enumerate(rooms) if room]
+        if not going:
+            return out
+        forest = drafters[going[0]].forest
+        for i in going:
+            d = drafters[i]
+            if d.branch is None:  # the draft model's KV of a cached prefix is reused too
+                hit = forest.cached_prefix(texts[i])
+                d.branch = forest.attach(hit)
+                d.counters["draft_cached_tokens"] += len(hit)
+            d.fed = None
+        drafts = {i: ([], []) for i in going}  # tokens, q
+        chains = [texts[i][drafters[i].branch.length :] for i in going]  # catch up first
+        for step in range(max(rooms)):
+            rows, slots = forest.extend_rows([drafters[i].branch for i in going], chains, [1] * len(chains),
+                                             check=False)
+            still, chains = [], []
+            for i, row, s in zip(going, rows, slots, strict=True):
+                d = drafters[i]
+                if step:
+                    d.fed = s if d.fed is None else np.concatenate([d.fed, s])
+                if not np.isfinite(row).all():
+                    out[i] = None
+                    drafts.pop(i)
+                    continue
+                tokens, q = drafts[i]
+                q.append(warp(row[0], d.params))
+                tokens.append(int(sample(q[-1], d.rng)))
+                if step + 1 < rooms[i]:
+                    still.append(i)
+                    chains.append(tokens[-1:])
+            going = still
+            if not going:
+                break
+        for i, (tokens, q) in drafts.items():
+            out[i] = Proposal.chain(np.array(tokens), np.stack(q))
+        return out
+
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
+                round_ms: float) -> None:
+        if self.fed is not None:  # the rejected drafts' KV (the last draft was never fed)
+            self.forest.trim(self.branch, self.fed[accepted:])
+            self.fed = None
+
+    def end(self, text: list[int] | None) -> None:
+        """The request ended: keep its DLM prefix of `text` for reuse (None: an error, nothing kept)."""
+        if self.branch is not None:
+            if text is None:
+                self.forest.release(self.branch)
+            else:
+                self.forest.keep(self.branch, text)
+            self.branch = None
+
+    def summary(self) -> dict:
+        return {}

@@ -46,14 +46,14 @@ from runtime.batch_policy import BatchDraftPolicy
 from runtime.draft_policy import judged
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
-from runtime.lookahead import Lookahead, LookaheadPolicy
-from runtime.prompt_lookup import TABLE_KIND, draft, table_priors
+from runtime.prompt_lookup import TABLE_KIND, table_priors
 from runtime.proposal import Drafter, Proposal
 from runtime.rejection import verify_greedy, verify_round
 from runtime.request import Decoding, Speculation
-from runtime.results import finish_reason
+from runtime.results import Metrics, finish_reason
 from runtime.round_stats import RoundStats
-from runtime.sampling import argmax_rows, next_token, sample, warp
+from runtime.sampling import argmax_rows, next_token
+from runtime.speculative import batch_drafter
 
 NONE = Proposal()  # a plain step
 NON_FINITE = ("NonFiniteLogitsError: the model produced NaN/Inf logits for this request (damaged weights, or "
@@ -79,10 +79,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     branch: Branch | None = None
     leader: Request | None = None  # a request whose prompt begins this one's: this one forks its prefilled branch
-    spec: Speculation | None = None
-    dlm_branch: Branch | None = None  # the DLM's view of this request (speculation "draft")
-    dlm_fed: np.ndarray | None = None  # this round's DLM slots of fed drafts, trimmed past the accepted ones
-    drafter: Drafter | None = None  # proposes each round's tree (a generation's drafter; the server's lookahead window)
+    spec: Speculation | None = None  # a batched request's speculation: the engine makes its drafter at admission
+    drafter: Drafter | None = None  # proposes each round's tree
     rounds: RoundStats | None = None  # a generation's speculation counters
     cancelled: bool = False
     logprobs: int | None = None  # report each new token's log probability and this many alternatives
@@ -123,22 +121,23 @@ class Request:
         """The same in the DLM's cache (no prompt is shared there)."""
         if self.spec is None or self.spec.method != "draft":
             return 0
-        used = self.dlm_branch.length if self.dlm_branch is not None else 0
+        used = self.drafter.used if self.drafter is not None else 0  # a BatchDraftModel's DLM slots
         return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
 
     @property
     def spare(self) -> int:
         return self.spec.k if self.spec is not None else 0
 
-    def timings(self) -> dict[str, float]:
-        """Seconds spent queued, to the first token, per later token and in all (those that apply)."""
-        out = {"queue_s": (self.admitted or self.finished or 0.0) - self.submitted,
-               "e2e_s": (self.finished or 0.0) - self.submitted}
-        if self.first_token is not None:
-            out["ttft_s"] = self.first_token - self.submitted
-            if len(self.tokens) > 1:
-                out["tpot_s"] = (self.finished - self.first_token) / (len(self.tokens) - 1)
-        return out
+    def metrics(self, load_s: float = 0.0) -> Metrics:
+        """Its record (results.Metrics), from its timestamps; a request still running counts to now."""
+        end, n = self.finished or time.perf_counter(), len(self.tokens)
+        first = self.first_token or end
+        decode, total = end - first, end - self.submitted
+        return Metrics(prompt_tokens=len(self.prompt), cached_prompt_tokens=self.cached, new_tokens=n,
+                       queue_s=(self.admitted or end) - self.submitted, ttft_s=first - self.submitted,
+                       decode_s=decode, total_s=total,
+                       decode_tokens_per_s=(n - 1) / decode if decode > 0 and n > 1 else 0.0,
+                       e2e_tokens_per_s=n / total if total > 0 else 0.0, load_s=load_s)
 
 
 def make_requests(art: Artifact, prompt: list[int], decodings: list[Decoding],
@@ -200,7 +199,7 @@ class Engine:
         # least half the time on held-out answers (0.7 and above for the default recipe's table).
         priors = table_priors(art.ngram_table)
         self._table_kinds = {kind for kind, right in priors.items() if kind >= TABLE_KIND and right >= 0.5}
-        self._predicted_ms = 0.0  # this step's calls, by the compiler's measurements
+        self._costed = False  # whether the batch policy chose this step's draft length
 
     def add(self, group: list[Request]) -> None:
         """Queue requests admitted together or not at all (checked with `check_fits` first)."""
@@ -249,6 +248,9 @@ class Engine:
                 if req.leader is None:
                     req.branch = forest.attach(hit)
                     req.cached = len(hit)
+                if req.spec is not None:
+                    req.drafter = batch_drafter(self.art, req.spec, req.decoding.params, req.rng, dlm,
+                                                self._table_kinds, self.stats)
                 req.admitted = time.perf_counter()
                 self.live.append(req)
 
@@ -270,7 +272,8 @@ class Engine:
         running ones, then the next chunks of the prompts still being prefilled."""
         forest, dlm = self.forest, self.dlm
         start, calls = time.perf_counter(), self.art.tlm.calls
-        dlm_calls, self._predicted_ms = dlm.runner.calls if dlm else 0, 0.0
+        runners, self._costed = [dlm.runner, forest.runner] if dlm else [forest.runner], False
+        calls0, predicted0 = sum(r.calls for r in runners), sum(r.predicted_ms for r in runners)
         accepted = self.stats["accepted"]
         for req in [r for r in self.live if r.cancelled]:
             self._finish(req, "cancelled")
@@ -283,7 +286,7 @@ class Engine:
                     if other.leader is gone and other.branch is None:
                         other.leader = req if other.prompt[: len(req.prompt)] == req.prompt else None
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
-        draft_s, speculating = time.perf_counter(), [r for r in running if r.spec or r.drafter]
+        draft_s, speculating = time.perf_counter(), [r for r in running if r.drafter]
         proposals = self._propose(speculating) if speculating else {}
         draft_s = time.perf_counter() - draft_s
         running = [r for r in running if r in self.live]  # a draft model's NaN ends only its own request
@@ -309,7 +312,6 @@ class Engine:
             budget -= n
         if not fed:
             return
-        self._predicted_ms += self._call_ms("tlm", sum(map(len, chains)))[0]
         fetch = not forest.runner.greedy_outputs or any(  # greedy alone (followers too): tokens, not logits
             r.decoding.params.do_sample or r.logprobs is not None or r.echo for r in self.live)
         t0 = time.perf_counter()
@@ -335,8 +337,10 @@ class Engine:
         tokens, tested = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
                                     proposals, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
-        all_calls = self.art.tlm.calls - calls + (dlm.runner.calls - dlm_calls if dlm else 0)
-        self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3, self._predicted_ms, all_calls)
+        if self._costed or tested:  # the policy learns acceptance, and its steps' host time per call
+            self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3,
+                                sum(r.predicted_ms for r in runners) - predicted0,
+                                sum(r.calls for r in runners) - calls0 if self._costed else 0)
         self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
@@ -370,8 +374,6 @@ class Engine:
                 rejected = np.ones(len(call), dtype=bool)
                 rejected[[0, *path]] = False
                 self.forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV
-                if req.dlm_fed is not None:
-                    self.dlm.trim(req.dlm_branch, req.dlm_fed[len(path):])
                 emitted, choosers = [*call[path].tolist(), nxt], [0, *path]
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
@@ -398,68 +400,38 @@ class Engine:
                 if reason:
                     self._finish(req, reason)
                     break
-            if first and req.drafter is not None and req.spec is None and req in self.live:
+            if first and req.drafter is not None and req in self.live:
                 req.drafter.start(req.prompt + req.tokens)  # the prompt and the first token
         return tokens, tested
 
     def _propose(self, reqs: list[Request]) -> dict[int, Proposal]:
-        """This round's drafts of each speculating request: prompt lookup's match or n-gram table
-        guesses, or a chain sampled from the DLM with every drafting request's i-th draft in one call."""
-        forest, dlm = self.forest, self.dlm
-        out, drafting = {}, []
-        for req in [r for r in reqs if r.spec is None]:  # a generation's own drafter and its policy
-            p = req.drafter.propose(req.prompt + req.tokens, forest.runner.max_length - 1 - req.branch.length)
-            # Drafts and auxiliary rows take cache slots until verified: near a full cache the round steps plainly
-            out[id(req)] = p if 1 + len(p.tokens) + len(p.aux_tokens) <= forest.free_slots() else NONE
-        reqs = [r for r in reqs if r.spec is not None]
-        greedy = [r for r in reqs if not r.decoding.params.do_sample]  # sampled ones keep their fixed length
+        """This round's tree of each speculating request, from its drafter: at most its room in the
+        context, and for a batched request (`spec`) the batch policy's length when it is greedy (its own
+        when it samples). A drafter class with `propose_batch` proposes for all its requests at once."""
+        forest, groups = self.forest, {}
+        greedy = [r for r in reqs if r.spec is not None and not r.decoding.params.do_sample]
+        self._costed = bool(greedy)
         k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
                                       max(r.spec.k for r in greedy)) if greedy else 0
         for req in reqs:
-            room = min(req.spec.k if req.decoding.params.do_sample else k_greedy,
-                       forest.runner.max_length - 1 - req.branch.length)
-            if req.spec.method == "prompt_lookup":
-                s = req.spec.settings
-                _, found = draft(req.prompt + req.tokens, s, self.art.ngram_table, self._table_kinds)
-                out[id(req)] = Proposal.chain(found[: req.spec.length(min(room, len(found)))])
-            elif req.spec.method == "lookahead":  # a window step, unless the batch policy says a plain one
-                if req.drafter is None:
-                    req.drafter = Lookahead(req.spec.settings, LookaheadPolicy({1: 1.0}, 1.0, 0.0, fixed=1))
-                    req.drafter.start(req.prompt + req.tokens)
-                if room:
-                    out[id(req)] = req.drafter.propose(req.prompt + req.tokens,
-                                                       forest.runner.max_length - 1 - req.branch.length)
-            elif k := req.spec.length(room):
-                drafting.append((req, k))
-        if not drafting:
-            return out
-        for req, _ in drafting:
-            if req.dlm_branch is None:  # the draft model's KV of a cached prefix is reused too
-                hit = dlm.cached_prefix(req.prompt + req.tokens)
-                req.dlm_branch = dlm.attach(hit)
-                self.stats["draft_cached_tokens"] += len(hit)
-            req.dlm_fed = None
-        drafts = {id(r): ([], []) for r, _ in drafting}  # tokens, q
-        chains = [(req.prompt + req.tokens)[req.dlm_branch.length:] for req, _ in drafting]  # catch up first
-        for i in range(max(k for _, k in drafting)):
-            self._predicted_ms += self._call_ms("dlm", sum(map(len, chains)))[0]
-            rows, slots = dlm.extend_rows([r.dlm_branch for r, _ in drafting], chains, [1] * len(chains), check=False)
-            going, chains = [], []
-            for (req, k), row, s in zip(drafting, rows, slots, strict=True):
-                if i:
-                    req.dlm_fed = s if req.dlm_fed is None else np.concatenate([req.dlm_fed, s])
-                if not np.isfinite(row).all():
+            room = forest.runner.max_length - 1 - req.branch.length
+            if req.spec is not None:
+                room = req.spec.length(min(room, req.spec.k if req.decoding.params.do_sample else k_greedy))
+            groups.setdefault(type(req.drafter), []).append((req, room))
+        out = {}
+        for kind, group in groups.items():
+            texts = [r.prompt + r.tokens for r, _ in group]
+            batch = getattr(kind, "propose_batch", None)
+            proposals = batch([r.drafter for r, _ in group], texts, [room for _, room in group]) if batch else \
+                [r.drafter.propose(text, room) for (r, room), text in zip(group, texts, strict=True)]
+            for (req, _), p in zip(group, proposals, strict=True):
+                if p is None:
                     self._finish(req, "error", NON_FINITE.replace("model", "draft model"))
-                    drafts.pop(id(req))
-                    continue
-                tokens, q = drafts[id(req)]
-                q.append(warp(row[0], req.decoding.params))
-                tokens.append(int(sample(q[-1], req.rng)))
-                if i + 1 < k:
-                    going.append((req, k))
-                    chains.append(tokens[-1:])
-            drafting = going
-        return out | {key: Proposal.chain(np.array(t), np.stack(q)) for key, (t, q) in drafts.items()}
+                elif req.spec is None and 1 + len(p.tokens) + len(p.aux_tokens) > forest.free_slots():
+                    out[id(req)] = NONE  # a generation's drafts take slots until verified: near a full cache, plainly
+                else:
+                    out[id(req)] = p
+        return out
 
     def _call_ms(self, role: str, rows: int) -> tuple[float, int]:
         """The compiler's measured cost of `rows` rows in the cheapest calls (1 ms a call where nothing
@@ -469,15 +441,13 @@ class Engine:
         return sum(runner.entries[graph].cost_ms or 1.0 for graph, _ in plan), len(plan)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        forest, dlm = self.forest, self.dlm
+        forest = self.forest
         if req.branch is not None and reason != "error":  # an error's KV may be incomplete: not kept
             forest.keep(req.branch, req.prompt + req.tokens)
         elif req.branch is not None:
             forest.release(req.branch)
-        if req.dlm_branch is not None and reason != "error":  # its accepted prefix, as the TLM's
-            dlm.keep(req.dlm_branch, req.prompt + req.tokens)
-        elif req.dlm_branch is not None:
-            dlm.release(req.dlm_branch)
+        if req.drafter is not None:  # a draft model's accepted prefix is kept, as the TLM's
+            req.drafter.end(None if reason == "error" else req.prompt + req.tokens)
         self.live.remove(req)
         self.stats["finished"] += 1
         self.stats["cancelled"] += reason == "cancelled"

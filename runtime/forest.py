@@ -51,6 +51,7 @@ class Forest:
         self.cache = PrefixCache(runner.context) if prefix_cache else None
         self._writes = runner.writes  # the runner's cache as this forest last left it
         self._tri = np.tri(largest, dtype=bool)  # a chain's rows see their predecessors
+        self._zero = np.zeros(1, np.int64)
 
     def _check_writer(self) -> None:
         """Forget the cached prefixes if anything else changed the runner's cache since this forest did
@@ -157,7 +158,8 @@ class Forest:
             (graph, n), k = plan[0], keep[0]
             graph = self._chunk_graph(graph, k == 1)
             sees_n = self._tri[:n, :n] if not sees or sees[0] is None else sees[0]
-            logits = self._run(graph, tokens, branches[0].view, sees_n, check, fetch)
+            positions = branches[0].length + (sees_n.sum(axis=1) - 1 if n > 1 else self._zero)
+            logits = self._run(graph, tokens, branches[0].view, sees_n, check, fetch, positions)
             self.runner.store(np.arange(n), slots)
             out = [logits[len(logits) - k :]]  # a view (valid until the graph's next run)
         else:
@@ -174,9 +176,9 @@ class Forest:
         return self.runner.prefill_graph if graph == graph_io.PREFILL and last_row_only else graph
 
     def _run(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray, check: bool,
-             fetch: bool) -> np.ndarray:
+             fetch: bool, positions: np.ndarray | None = None) -> np.ndarray:
         """One call's logits, or with fetch=False its rows' greedy tokens (-1 where a row's logits are not finite)."""
-        logits = self.runner.run_rows(graph, tokens, cache_sees, sees, check, fetch)
+        logits = self.runner.run_rows(graph, tokens, cache_sees, sees, check, fetch, positions)
         return logits if fetch else np.where(self.runner.finite(), self.runner.argmax(), -1)
 
     def _calls(self, plan: list[tuple[str, int]], branches: list[Branch], tokens: np.ndarray, slots: np.ndarray,

@@ -9,7 +9,6 @@ branches in one call per step.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from runtime.request import (
     method_settings,
     speculation_method,
 )
-from runtime.results import GenerationResult, Metrics, TextPieces
+from runtime.results import GenerationResult, TextPieces
 from runtime.round_stats import RoundStats
 from runtime.sampling import SamplingParams
 from runtime.speculative import make_drafter
@@ -60,14 +59,12 @@ class Generation:
         return req
 
     def _run(self) -> Iterator[int]:
-        start = time.perf_counter()
         engine, events = engine_of(self.art), []
         req = self._request(events)
         check_fits(self.art, [req])
         calls0 = self.art.tlm.calls
         engine.add([req])
-        ids: list[int] = []
-        finish, ttft = "length", 0.0
+        finish = "length"
         try:
             while engine.busy:
                 engine.admit()
@@ -77,11 +74,8 @@ class Generation:
                         raise NonFiniteLogitsError(event.error)
                     if event.token is None:
                         finish = event.finish
-                        continue
-                    if not ids:
-                        ttft = time.perf_counter() - start
-                    ids.append(event.token)
-                    yield event.token
+                    else:
+                        yield event.token
                 events.clear()
         except Exception:
             engine.abort(req, "error")
@@ -90,22 +84,10 @@ class Generation:
             engine.abort(req)  # the caller stopped reading: its slots are free again
             if req.rounds is not None:
                 self.stats.update(req.rounds.summary(self.method, self.art.tlm.calls - calls0) | req.drafter.summary())
-        total = time.perf_counter() - start
-        decode = total - ttft
-        metrics = Metrics(
-            prompt_tokens=len(self.prompt_ids),
-            cached_prompt_tokens=req.cached,
-            new_tokens=len(ids),
-            ttft_s=ttft,
-            decode_s=decode,
-            total_s=total,
-            decode_tokens_per_s=(len(ids) - 1) / decode if decode > 0 and len(ids) > 1 else 0.0,
-            e2e_tokens_per_s=len(ids) / total if total > 0 else 0.0,
-            load_s=self.art.load_seconds,
-            speculative=self.stats,
-        )
-        text = self.art.tokenizer.decode(ids, skip_special_tokens=True)
-        self.result = GenerationResult(ids, text, finish, metrics)
+        metrics = req.metrics(self.art.load_seconds)
+        metrics.speculative = self.stats
+        text = self.art.tokenizer.decode(req.tokens, skip_special_tokens=True)
+        self.result = GenerationResult(req.tokens, text, finish, metrics)
 
 
 def start_generation(

@@ -73,7 +73,7 @@ class HostPlacement(Placement):
 
     def store(self, g: HostGraph, rows: np.ndarray, slots: np.ndarray) -> None:
         m = len(rows)
-        chain = m > 0 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
+        chain = m == 1 or m > 1 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
         if chain:  # contiguous on both sides: one slice copy
             self.cache_stack[..., slots[0] : slots[0] + m, :] = g.new_kv[..., rows[0] : rows[0] + m, :]
         else:

@@ -113,6 +113,9 @@ class Lookahead:
             self.levels.append(guesses)
         self.steps += 1
 
+    def end(self, text: list[int] | None) -> None:
+        pass
+
     def summary(self) -> dict:
         return {"lookahead_steps": self.windows, "pool_keys": len(self.pool),
                 "pool_ngrams": sum(len(v) for v in self.pool.values())}

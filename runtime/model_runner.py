@@ -73,6 +73,7 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.writes = 0  # changes to the cache's contents or length (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
+        self.predicted_ms = 0.0  # the same calls by the compiler's measured costs (1 ms a call where none was measured)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
         with parked_pools():
@@ -138,7 +139,7 @@ class ModelRunner:
         return self.run_rows(graph, tokens, np.arange(self.context) < self.length, sees, fetch=fetch)
 
     def run_rows(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray,
-                 check: bool = True, fetch: bool = True) -> np.ndarray | None:
+                 check: bool = True, fetch: bool = True, positions: np.ndarray | None = None) -> np.ndarray | None:
         """The general call: row i sees the cache slots `cache_sees[i]` (bool [n, C], or [C] for all
         rows) and the new rows `sees[i]`; its position is the number of tokens it sees, minus one.
         Return the rows' logits [n, V]. Unused rows of a fixed-shape graph are padding that only
@@ -147,6 +148,7 @@ class ModelRunner:
         batch of independent requests fails only the request whose row it is). fetch=False, for greedy
         decoding: the logits stay where the graph wrote them (None is returned) and `argmax()` gives each
         row's token (on a device target, T integers cross to the host instead of T vocabularies of floats).
+        `positions`: the rows' positions where the caller knows them (else counted from the masks).
         """
         if self.place.needs_capture():
             self.capture_graphs()
@@ -154,7 +156,8 @@ class ModelRunner:
         n, c = len(tokens), self.context
         if n > g.tokens:
             raise ValueError(f"{n} tokens do not fit graph {graph!r} (T = {g.tokens})")
-        positions = np.sum(cache_sees, axis=-1) + sees.sum(axis=1) - 1
+        if positions is None:
+            positions = np.sum(cache_sees, axis=-1) + sees.sum(axis=1) - 1
         if positions.max() >= self.max_length:
             raise ValueError(f"position {positions.max()} is past the context length {self.max_length}")
         last_row = g.logit_rows < g.tokens
@@ -175,6 +178,7 @@ class ModelRunner:
         logits = g.logits()[0, :out] if fetch else None
         self.call_s += time.perf_counter() - t0
         self.calls += 1
+        self.predicted_ms += self.entries[graph].cost_ms or 1.0
         self.warm.add(graph)
         self._last, self._first, self._rows = g, first, out
         if check and not (np.isfinite(logits).all() if fetch else g.finite(out).all()):

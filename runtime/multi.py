@@ -12,7 +12,6 @@ comes from the branches sharing each call.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from runtime.engine import Engine, Event, Request, check_fits, make_requests
 from runtime.load import load_artifact
 from runtime.model_runner import NonFiniteLogitsError
 from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
-from runtime.results import GenerationResult, Metrics, TextPieces
+from runtime.results import GenerationResult, TextPieces
 
 
 @dataclass
@@ -77,13 +76,10 @@ class MultiGeneration:
             yield from self._run()
 
     def _run(self) -> Iterator[tuple[int, int]]:
-        start = time.perf_counter()
         engine = Engine(self.art, prefix_cache=False)
         engine.add(self.group)
-        ids: list[list[int]] = [[] for _ in range(self.n)]
         finish: list[str | None] = [None] * self.n
-        ended = [0.0] * self.n
-        ttft, first_step = 0.0, 0
+        own, first_step = self.group[-self.n:], None  # after the shared context's request, if any
         while engine.busy:
             engine.admit()
             engine.step()
@@ -91,36 +87,23 @@ class MultiGeneration:
                 if event.error:  # the engine's only error: NaN/Inf logits (a step that raises raises here)
                     raise NonFiniteLogitsError(event.error)
                 if event.token is not None:
-                    ids[i].append(event.token)
                     yield i, event.token
                 elif i >= 0:  # not the shared context's request
-                    finish[i], ended[i] = event.finish, time.perf_counter() - start
+                    finish[i] = event.finish
             self.events.clear()
-            if not ttft and all(ids):
-                ttft, first_step = time.perf_counter() - start, engine.stats["steps"]
-        total = time.perf_counter() - start
-        steps = engine.stats["steps"] - first_step  # decode steps: after every sequence's first token
-        self.result = self._result(ids, finish, ended, ttft, total, steps, engine.stats["calls"])
-
-    def _result(self, ids: list[list[int]], finish: list, ended: list[float], ttft: float, total: float,
-                steps: int, calls: int) -> MultiResult:
-        tok = self.art.tokenizer
-        results = []
-        for i in range(self.n):
-            own = len(self.context) + (len(self.chains[i]) if self.chains else 0)
-            decode = ended[i] - ttft
-            m = Metrics(prompt_tokens=own, new_tokens=len(ids[i]), ttft_s=ttft, decode_s=decode, total_s=ended[i],
-                        decode_tokens_per_s=(len(ids[i]) - 1) / decode if decode > 0 and len(ids[i]) > 1 else 0.0,
-                        e2e_tokens_per_s=len(ids[i]) / ended[i] if ended[i] > 0 else 0.0,
-                        load_s=self.art.load_seconds)
-            results.append(GenerationResult(ids[i], tok.decode(ids[i], skip_special_tokens=True), finish[i], m))
-        new = sum(len(x) for x in ids)
+            if first_step is None and all(r.tokens for r in own):
+                first_step = engine.stats["steps"]
+        results = [GenerationResult(r.tokens, self.art.tokenizer.decode(r.tokens, skip_special_tokens=True), f,
+                                    r.metrics(self.art.load_seconds)) for r, f in zip(own, finish, strict=True)]
+        start, end = min(r.submitted for r in self.group), max(r.finished for r in self.group)
+        new = sum(len(r.tokens) for r in own)
+        first = max(r.first_token or end for r in own)
         metrics = MultiMetrics(
-            prompt_tokens=len(self.context) + sum(len(c) for c in self.chains), new_tokens=new, steps=steps,
-            tlm_calls=calls, ttft_s=ttft, total_s=total, tokens_per_s=new / total if total > 0 else 0.0,
-            load_s=self.art.load_seconds,
-        )
-        return MultiResult(results, self.seeds, metrics)
+            prompt_tokens=len(self.context) + sum(len(c) for c in self.chains), new_tokens=new,
+            steps=engine.stats["steps"] - (first_step or 0), tlm_calls=engine.stats["calls"],
+            ttft_s=first - start, total_s=end - start, tokens_per_s=new / (end - start) if end > start else 0.0,
+            load_s=self.art.load_seconds)
+        self.result = MultiResult(results, self.seeds, metrics)
 
 
 def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int], n: int, chat: bool | None = None,

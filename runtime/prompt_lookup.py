@@ -70,15 +70,17 @@ def table_priors(table: NgramTable | None) -> dict[int, float]:
 class PromptLookup:
     name = "prompt_lookup"
 
-    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy, table: NgramTable | None) -> None:
-        self.settings, self.policy, self.table = settings, policy, table
+    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy, table: NgramTable | None,
+                 table_kinds: Container[int] | None = None) -> None:
+        """`table_kinds`: the kinds of table guess to draft (None: all; `draft`)."""
+        self.settings, self.policy, self.table, self.table_kinds = settings, policy, table, table_kinds
         self.matched_rounds = self.table_rounds = 0
 
     def start(self, committed: list[int]) -> None:
         pass  # a kept policy was told of the new generation when it was handed out
 
     def propose(self, committed: list[int], room: int) -> Proposal:
-        kind, found = draft(committed, self.settings, self.table)
+        kind, found = draft(committed, self.settings, self.table, self.table_kinds)
         # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
         # 18% of the time, a 3-token one 63% (docs/benchmarks-history.md).
         k = self.policy.choose(min(room, len(found)), kind=kind) if len(found) else 0
@@ -89,6 +91,9 @@ class PromptLookup:
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         self.policy.observe(len(proposal.tokens), accepted, round_ms)
+
+    def end(self, text: list[int] | None) -> None:
+        pass
 
     def summary(self) -> dict:
         return {"rounds_with_a_match": self.matched_rounds, "rounds_with_a_table_guess": self.table_rounds}

@@ -1,10 +1,12 @@
 """What a drafter hands the round loop: a token tree to verify, plus any auxiliary rows it needs.
 
-A drafter is a small object with a narrow interface (`Drafter`): `start` once per generation,
-`propose` a tree each round, `observe` what the TLM accepted. The round loop
-(runtime/speculative.py) scores every proposal the same way: one TLM call over the root, the
-tree and the auxiliary rows (row layout and mask conventions: common/graph_io.py), exact
-verification (runtime/rejection.py), a commit of the accepted path.
+A drafter is a small object with a narrow interface (`Drafter`): `start` once per request, `propose`
+a tree each round, `observe` what the TLM accepted, `end`. A drafter class may also offer
+`propose_batch(drafters, texts, rooms)`, which the engine calls once for all its requests of that
+class in a step (the server's draft model: every request's i-th draft in one call). The engine
+(runtime/engine.py) scores every proposal the same way: one TLM call over the root, the tree and
+the auxiliary rows (row layout and mask conventions: common/graph_io.py), exact verification
+(runtime/rejection.py), a commit of the accepted path.
 """
 
 from __future__ import annotations
@@ -71,13 +73,17 @@ class Drafter(Protocol):
     def start(self, committed: list[int]) -> None:
         """A new generation: `committed` is the prompt and the first generated token."""
 
-    def propose(self, committed: list[int], room: int) -> Proposal:
-        """This round's tree, at most `room` deep (an empty one: a plain decode step)."""
+    def propose(self, committed: list[int], room: int) -> Proposal | None:
+        """This round's tree, at most `room` deep (an empty one: a plain decode step; None: the drafter's
+        model gave NaN/Inf logits, and the request ends with an error)."""
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         """The TLM accepted `accepted` tree tokens and emitted `emitted` (those plus one); `best(rows)`
         gives call rows' greedy tokens (sampling.argmax_rows); the round took round_ms of wall time."""
+
+    def end(self, text: list[int] | None) -> None:
+        """The request ended with this text (None: an error); a drafter with a cache of its own keeps or frees it."""
 
     def summary(self) -> dict:
         """Method-specific metrics."""

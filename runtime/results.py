@@ -11,16 +11,30 @@ from runtime.tokenizer import Tokenizer
 
 @dataclass
 class Metrics:
+    """One request's record, the same for a generation, a MultiDecode branch and a server request (the
+    engine's Request.metrics): counts, and seconds from its arrival."""
+
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # of those, found in the cache from an earlier call (not prefilled)
     new_tokens: int = 0
-    ttft_s: float = 0.0  # prefill + first token
-    decode_s: float = 0.0
+    queue_s: float = 0.0  # waiting to be admitted (the cache had no room yet)
+    ttft_s: float = 0.0  # queue + prefill + first token
+    decode_s: float = 0.0  # first token to the end
     total_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     e2e_tokens_per_s: float = 0.0
     load_s: float = 0.0
     speculative: dict = field(default_factory=dict)  # filled by speculative decoding
+
+    def latencies(self) -> dict[str, float]:
+        """Seconds queued, to the first token, per later token and in all: those that apply (the
+        server's histograms)."""
+        out = {"queue_s": self.queue_s, "e2e_s": self.total_s}
+        if self.new_tokens:
+            out["ttft_s"] = self.ttft_s
+        if self.new_tokens > 1:
+            out["tpot_s"] = self.decode_s / (self.new_tokens - 1)
+        return out
 
 
 @dataclass

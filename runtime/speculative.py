@@ -10,19 +10,20 @@ the TLM has processed every committed token but the last.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import numpy as np
 
 from common import graph_io
 from common.recipe import LookaheadSettings, PromptLookupSettings
 from runtime.artifact import Artifact
-from runtime.draft_model import DraftModelDrafter
+from runtime.draft_model import BatchDraftModel, DraftModelDrafter
 from runtime.draft_policy import DraftPolicy
+from runtime.forest import Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
 from runtime.prompt_lookup import PromptLookup, table_priors
 from runtime.proposal import Drafter
-from runtime.request import lookahead_rows, scoring_draft_lengths
+from runtime.request import Speculation, lookahead_rows, scoring_draft_lengths
 from runtime.sampling import SamplingParams
 
 
@@ -87,3 +88,17 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
     policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),
                      adapt and fixed is None)
     return Lookahead(settings, policy)
+
+
+def batch_drafter(art: Artifact, spec: Speculation, params: SamplingParams, rng: np.random.Generator,
+                  dlm: Forest | None, table_kinds: Container[int], counters: dict) -> Drafter:
+    """A batched request's drafter (the server's): the engine sets each round's length (its batch policy's
+    for a greedy request, the request's own when it samples), so the drafter's policy is fixed at the most."""
+    if spec.method == "draft":
+        assert dlm is not None
+        return BatchDraftModel(dlm, params, rng, counters)
+    if spec.method == "prompt_lookup":
+        policy = DraftPolicy({k: 0.0 for k in spec.lengths if k}, 1.0, 0.0, spec.k, adapt_costs=False,
+                             independent=False)
+        return PromptLookup(spec.settings, policy, art.ngram_table, table_kinds)
+    return Lookahead(spec.settings, LookaheadPolicy({1: 1.0}, 1.0, 0.0, fixed=1))

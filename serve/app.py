@@ -158,7 +158,7 @@ COUNTERS = {  # metric (without the _total Prometheus adds) -> scheduler.stats k
     "drafted_tokens": "drafted", "accepted_tokens": "accepted", "prompt_tokens": "prompt_tokens",
     "prefix_cache_hit_tokens": "cached_prompt_tokens", "prefix_cache_evicted_tokens": "prefix_cache_evicted"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-HISTOGRAMS = {  # metric -> (Request.timings key, help)
+HISTOGRAMS = {  # metric -> (Metrics.latencies key, help)
     "request_queue_time_seconds": ("queue_s", "time a request waited before it was admitted"),
     "time_to_first_token_seconds": ("ttft_s", "time from a request's arrival to its first token"),
     "time_per_output_token_seconds": ("tpot_s", "time per output token after the first"),
@@ -178,7 +178,7 @@ class Metrics:
                            for name, (key, text) in HISTOGRAMS.items()}
 
     def observe(self, req: sched.Request) -> None:
-        for key, value in req.timings().items():
+        for key, value in req.metrics().latencies().items():
             self.histograms[key].observe(value)
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol

@@ -73,9 +73,9 @@ def test_greedy_steps_without_logits_give_the_same_tokens(art, artifact_dir, met
     fetched = []
     real = fresh.tlm.run_rows
 
-    def spy(graph, tokens, cache_sees, sees, check=True, fetch=True):
+    def spy(graph, tokens, cache_sees, sees, check=True, fetch=True, positions=None):
         fetched.append(fetch)
-        return real(graph, tokens, cache_sees, sees, check, fetch)
+        return real(graph, tokens, cache_sees, sees, check, fetch, positions)
 
     monkeypatch.setattr(fresh.tlm, "run_rows", spy)
     prompt = REPEATS
@@ -132,8 +132,8 @@ def test_a_draft_models_nan_ends_only_its_own_request(art, monkeypatch):
     poison = next(t for t in bad_out[2:] if t not in good_out + good_prompt)  # fed to the DLM by the bad one only
     real = art.dlm.run_rows
 
-    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True):  # as if the draft model did it
-        logits = real(graph, tokens, cache_sees, sees, False, fetch)
+    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True, positions=None):  # as the draft model would
+        logits = real(graph, tokens, cache_sees, sees, False, fetch, positions)
         logits[(np.asarray(tokens) == poison)[-len(logits):]] = np.nan
         return logits
 

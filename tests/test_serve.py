@@ -391,8 +391,8 @@ def test_nan_logits_fail_only_their_own_request(artifact_dir, reference, monkeyp
     poison = next(t for t in bad[4:] if t not in good + good_prompt)  # only the bad request ever feeds it
     real = art.tlm.run_rows
 
-    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True):  # the real call, as if the model did it
-        logits = real(graph, tokens, cache_sees, sees, False, fetch)
+    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True, positions=None):  # as the model would
+        logits = real(graph, tokens, cache_sees, sees, False, fetch, positions)
         logits[(np.asarray(tokens) == poison)[-len(logits):]] = np.nan  # a prompt chunk's call: its last row's
         if check and not np.isfinite(logits).all():
             raise NonFiniteLogitsError("NaN")

@@ -109,8 +109,8 @@ def test_an_echoed_prompt_with_nan_logits_fails_alone(artifact_dir, monkeypatch)
     art = runtime.load_artifact(artifact_dir)
     real = art.tlm.run_rows
 
-    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True):
-        logits = real(graph, tokens, cache_sees, sees, False, fetch)
+    def poisoned(graph, tokens, cache_sees, sees, check=True, fetch=True, positions=None):
+        logits = real(graph, tokens, cache_sees, sees, False, fetch, positions)
         logits[(np.asarray(tokens) == 47)[-len(logits):]] = np.nan  # a token early in the prompt below
         return logits
 

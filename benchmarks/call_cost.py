@@ -23,8 +23,7 @@ def call_costs(artifact: Path, repeats: int) -> dict[int, float]:
     """{T: median ms per call} for each compiled TLM graph."""
     manifest = read_manifest(artifact, verify=False)
     entry = manifest.models["tlm"]
-    graphs = {name: (artifact / g.file, g.tokens) for name, g in entry.graphs.items()}
-    ms = graph_costs_ms(graphs, entry.dims, manifest.context_length, get_target(manifest.target), repeats)
+    ms = graph_costs_ms(artifact, entry, manifest.capacity, get_target(manifest.target), repeats)
     return dict(sorted((entry.graphs[name].tokens, v) for name, v in ms.items()))
 
 

@@ -39,8 +39,23 @@ from benchmarks.peers import Genai
 from common import graph_io
 from common.manifest import read_manifest
 from common.targets import compiled_session_options, get_target
-from compiler.costs import call_inputs
+from compiler.costs import visible_slots
 from runtime.request import encode_prompt
+
+
+def call_inputs(dims: graph_io.ModelDims, tokens: int, context: int, device: str) -> dict[str, ort.OrtValue]:
+    """A call's inputs on `device`, as the compiler times it (compiler/costs.py: a short visible prefix)."""
+    shapes = graph_io.input_shapes(dims, 1, tokens, context)
+    visible = visible_slots(context)
+    mask = np.zeros(shapes[graph_io.ATTENTION_MASK], dtype=bool)
+    mask[:, :, :context] = visible
+    mask[:, :, context:] = np.tri(tokens, dtype=bool)
+    feeds = {graph_io.INPUT_IDS: np.zeros(shapes[graph_io.INPUT_IDS], np.int64),
+             graph_io.POSITION_IDS: np.arange(tokens, dtype=np.int64)[None] + visible.sum(),
+             graph_io.ATTENTION_MASK: mask}
+    kv = ort.OrtValue.ortvalue_from_numpy(np.zeros(shapes[graph_io.past_key(0)], dims.kv_dtype), device, 0)
+    return {k: ort.OrtValue.ortvalue_from_numpy(v, device, 0) for k, v in feeds.items()} | {
+        name: kv for name in graph_io.input_names(dims)[3:]}
 
 
 def placement(artifact: Path, graph: str = graph_io.DECODE) -> dict[str, dict[str, int]]:

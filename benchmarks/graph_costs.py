@@ -1,5 +1,5 @@
 """What one call of each of an artifact's graphs costs, measured again as the compiler measures them at build
-time (compiler/costs.py: interleaved across graphs, outputs bound, the weights shared, median):
+time (compiler/costs.py: interleaved across graphs, each call the runtime's, median):
 
     python -m benchmarks.graph_costs ARTIFACT [--graphs prefill,prefill_last] [--role tlm] [--repeats 5]
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.bandwidth import cpu_name
 from common.manifest import read_manifest
-from common.shared_weights import SharedWeights
 from common.targets import get_target
 from compiler.costs import graph_costs_ms
 
@@ -33,11 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(entry.graphs))
     if unknown:
         ap.error(f"no graph {unknown} in {args.artifact} ({args.role}: {sorted(entry.graphs)})")
-    weights = args.artifact / entry.weights
-    target = get_target(manifest.target)
-    shared = SharedWeights.available(weights.parent, weights, target.device)
-    graphs = {g: (args.artifact / entry.graphs[g].file, entry.graphs[g].tokens) for g in names}
-    costs = graph_costs_ms(graphs, entry.dims, manifest.capacity, target, args.repeats, shared)
+    entry = replace(entry, graphs={g: entry.graphs[g] for g in names})
+    costs = graph_costs_ms(args.artifact, entry, manifest.capacity, get_target(manifest.target), args.repeats)
     print(json.dumps({"cpu": cpu_name(), "artifact": str(args.artifact), "ms_per_call": costs}, indent=1))
     return 0
 

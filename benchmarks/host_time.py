@@ -5,8 +5,10 @@
 Each measurement runs in its own process from its checkout (so each tree's own runtime loads the
 same artifact): three greedy generations of `--tokens` tokens, with speculation off and with prompt
 lookup, the median of each; host µs per call = (wall time - time inside the runner's calls) / calls,
-the Python around ONNX Runtime. The checkouts alternate `--rounds` times (the machine drifts), and
-the table shows every round and this tree's median over the other's.
+the Python around ONNX Runtime. With a draft model in the artifact, speculation with it too (the
+adaptive policy, and a fixed draft length of 3); its host µs per call counts the calls of both
+models. Each generation starts cold (every model's cache rewound). The checkouts alternate `--rounds`
+times (the machine drifts), and the table shows every round and this tree's median over the other's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 from pathlib import Path
 
 PROMPT = "Explain, step by step, how a hash table handles collisions, and give a short Python example."
-METHODS = {"autoregressive": False, "prompt lookup": "prompt_lookup"}
+METHODS = {"autoregressive": {"speculative": False}, "prompt lookup": {"speculative": "prompt_lookup"}}
+DRAFT = {"draft model": {"speculative": "draft"}, "draft model, k = 3": {"speculative": "draft", "draft_length": 3}}
 
 
 def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
@@ -28,16 +31,18 @@ def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
     import runtime
 
     art = runtime.load_artifact(artifact)
-    out = {}
-    for name, method in METHODS.items():
-        runtime.generate(art, PROMPT, max_new_tokens=16, speculative=method)  # warm
+    runners, out = list(art.runners.values()), {}
+    for name, kw in (METHODS | (DRAFT if "dlm" in art.runners else {})).items():
+        runtime.generate(art, PROMPT, max_new_tokens=16, **kw)  # warm
         rates, host = [], []
         for _ in range(3):
-            art.tlm.rewind(0)  # cold: each generation prefills its prompt
-            seconds, calls = art.tlm.call_s, art.tlm.calls
-            r = runtime.generate(art, PROMPT, max_new_tokens=tokens, do_sample=False, speculative=method)
-            rates.append(r.metrics.decode_tokens_per_s)
-            host.append((r.metrics.total_s - (art.tlm.call_s - seconds)) / (art.tlm.calls - calls) * 1e6)
+            for runner in runners:  # cold: each generation prefills its prompt
+                runner.rewind(0)
+            seconds, calls = sum(m.call_s for m in runners), sum(m.calls for m in runners)
+            result = runtime.generate(art, PROMPT, max_new_tokens=tokens, do_sample=False, **kw)
+            rates.append(result.metrics.decode_tokens_per_s)
+            host.append((result.metrics.total_s - (sum(m.call_s for m in runners) - seconds)) /
+                        (sum(m.calls for m in runners) - calls) * 1e6)
         out[name] = {"tok_s": statistics.median(rates), "host_us": statistics.median(host)}
     return out
 
@@ -73,12 +78,12 @@ def main() -> None:
             runs[name].append(_run(tree, artifact, args.tokens))
     print("| tree | method | tok/s per round | host µs per call per round |\n|---|---|---|---|")
     for name in trees:
-        for method in METHODS:
+        for method in runs[name][0]:
             rates = ", ".join(f"{r[method]['tok_s']:.1f}" for r in runs[name])
             host = ", ".join(f"{r[method]['host_us']:.0f}" for r in runs[name])
             print(f"| {name} | {method} | {rates} | {host} |")
     if args.against:
-        for method in METHODS:
+        for method in runs["this tree"][0]:
             ratio = [statistics.median(r[method][k] for r in runs["this tree"]) /
                      statistics.median(r[method][k] for r in runs["against"]) for k in ("tok_s", "host_us")]
             print(f"{method}: this tree / against: tok/s {ratio[0]:.3f}x, host µs per call {ratio[1]:.3f}x")

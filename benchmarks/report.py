@@ -78,7 +78,8 @@ def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, war
     runs: dict[str, list] = {name: [] for name in rows}
 
     def one(which: str, spd: bool | str, prompt: str):
-        arts[which].tlm.rewind(0)  # cold: a repeated prompt would find its prefix in the cache
+        for runner in arts[which].runners.values():  # cold: a repeated prompt would find its prefix in the caches
+            runner.rewind(0)
         return runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd,
                                 draft_length=draft_length if spd is True else None)
 

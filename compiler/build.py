@@ -14,6 +14,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -27,7 +28,6 @@ from common.manifest import MANIFEST_NAME, GraphEntry, Manifest, ModelEntry, sha
 from common.ngram_table import FILE as NGRAM_TABLE_FILE
 from common.onnx_store import SharedFile, merge_external, read_tensor, save_graph, shared_file
 from common.recipe import Recipe
-from common.shared_weights import SharedWeights
 from common.staging import MARKER, check_output, make_staging
 from common.targets import Target, get_target, platform_signature, session_options
 from compiler.costs import graph_costs_ms
@@ -297,11 +297,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
     # one copy of the weights for all the graphs' sessions (on the CPU: one mapping, in 2 MiB pages)
     index = {g: _initializer_index(p, info["weights"], target) for g, p in paths.items()}
     (out_dir / INITIALIZERS_FILE).write_text(json.dumps(index))
-    shared = SharedWeights(out_dir, out_dir / info["weights"], target.device)
     dims = ModelDims(**info["dims"] | ({"kv_dtype": KV_DTYPE} if target.float16 or half_kv else {}))
     onnx.save(store_graph(dims, info["context_length"]), str(out_dir / KV_STORE_FILE))
-    costs = graph_costs_ms({g: (paths[g], t) for g, t in info["graphs"].items()}, dims, info["context_length"],
-                           target, shared=shared)
     if quant:
         quant["lowering"] = lowering
         bits = NATIVE_ACTIVATION_BITS.get(lowering)
@@ -310,18 +307,19 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
             "exact": "float32 MatMul on the MXFP6 values",
             GPU_LOWERING: f"{NATIVE_DOMAIN}.{MX_MATMUL_GPU} (CUDA) 6-bit codes, float16 activations",
         }.get(lowering) or f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32"
-    return ModelEntry(
+    entry = ModelEntry(
         source=info["source"],
         model_type=info["model_type"],
         dims=dims,
-        graphs={g: GraphEntry(file=f"{out_dir.name}/{g}.onnx", tokens=t, cost_ms=costs.get(g, 0.0))
-                for g, t in info["graphs"].items()},
+        graphs={g: GraphEntry(file=f"{out_dir.name}/{g}.onnx", tokens=t) for g, t in info["graphs"].items()},
         weights=f"{out_dir.name}/{info['weights']}",
         dtype=info.get("storage_dtype", "float32"),
         quant=quant,
         eos_token_ids=tuple(info["eos_token_ids"]),
         batch_invariant=invariant,
     )
+    costs = graph_costs_ms(out_dir.parent, entry, info["context_length"], target)  # run as the runtime runs them
+    return replace(entry, graphs={g: replace(e, cost_ms=costs.get(g, 0.0)) for g, e in entry.graphs.items()})
 
 
 def _tools() -> dict[str, str]:

@@ -121,7 +121,7 @@ class Request:
         """The same in the DLM's cache (no prompt is shared there)."""
         if self.spec is None or self.spec.method != "draft":
             return 0
-        used = self.drafter.used if self.drafter is not None else 0  # a BatchDraftModel's DLM slots
+        used = self.drafter.used if self.drafter is not None else 0  # a DraftModelDrafter's DLM slots
         return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
 
     @property

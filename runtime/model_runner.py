@@ -6,7 +6,7 @@ The cache is host-owned: slot s holds the token at position s of the committed s
 `length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
 as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
 token tree), so rows left out are never attended to again, and a rewind (purging committed
-speculative tokens) is just a smaller `length` (a draft model's drafter drives its runner so). The
+speculative tokens) is just a smaller `length`. The
 engine's forest of sequences over one cache (runtime/forest.py) uses the general pair underneath:
 `run_rows` (each row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step

@@ -17,7 +17,7 @@ import numpy as np
 from common import graph_io
 from common.recipe import LookaheadSettings, PromptLookupSettings
 from runtime.artifact import Artifact
-from runtime.draft_model import BatchDraftModel, DraftModelDrafter
+from runtime.draft_model import DraftModelDrafter
 from runtime.draft_policy import DraftPolicy
 from runtime.forest import Forest
 from runtime.lookahead import Lookahead, LookaheadPolicy
@@ -54,8 +54,10 @@ def warm_up(art: Artifact, method: str | None, settings: object) -> None:
 
 
 def make_drafter(art: Artifact, method: str, settings: object, params: SamplingParams,
-                 draft_params: SamplingParams, rng: np.random.Generator, draft_length: int | None) -> Drafter:
-    """The drafter for `method`, with its policy costed from the compiler's measured graph costs."""
+                 draft_params: SamplingParams, rng: np.random.Generator, draft_length: int | None,
+                 dlm: Forest | None, counters: dict) -> Drafter:
+    """The drafter for `method`, with its policy costed from the compiler's measured graph costs; `dlm`:
+    the engine's forest over the draft model's cache, `counters` its stats."""
     tlm = art.manifest.models["tlm"].graphs
     sizes = {name: g.tokens for name, g in tlm.items()}
 
@@ -69,7 +71,7 @@ def make_drafter(art: Artifact, method: str, settings: object, params: SamplingP
         policy = _policy(art, ("draft",), lambda: DraftPolicy(
             {k: cost(k + 1) for k in ks}, decode, dlm_step, draft_length, adapt), adapt and draft_length is None)
         warm_up(art, method, settings)
-        return DraftModelDrafter(art.dlm, draft_params, policy, rng)
+        return DraftModelDrafter(dlm, draft_params, rng, policy, counters)
     if method == "prompt_lookup":
         assert isinstance(settings, PromptLookupSettings)
         warm_up(art, method, settings)
@@ -96,7 +98,7 @@ def batch_drafter(art: Artifact, spec: Speculation, params: SamplingParams, rng:
     for a greedy request, the request's own when it samples), so the drafter's policy is fixed at the most."""
     if spec.method == "draft":
         assert dlm is not None
-        return BatchDraftModel(dlm, params, rng, counters)
+        return DraftModelDrafter(dlm, params, rng, counters=counters)
     if spec.method == "prompt_lookup":
         policy = DraftPolicy({k: 0.0 for k in spec.lengths if k}, 1.0, 0.0, spec.k, adapt_costs=False,
                              independent=False)

@@ -41,14 +41,19 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
         return lambda e: out.setdefault(i, []).append(e.token) if e.token is not None else None
 
     engine = Engine(art, prefix_cache=False)
-    specs = [None, None, batched_speculation(art, "prompt_lookup", 2), batched_speculation(art, "draft", 2), None]
-    prompts = [LONG, [0, 77, 78], REPEATS, [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101]]
+    specs = [None, None, batched_speculation(art, "prompt_lookup", 2), batched_speculation(art, "draft", 2), None,
+             None]
+    prompts = [LONG, [0, 77, 78], REPEATS, [0, 9, 8, 7, 6, 9, 8, 7], [0, *range(100, 110), 100, 101],
+               [0, 5, 6, 7, 5, 6, 7]]
     reqs = [make_requests(art, p, [greedy], [listen(i)], spec)[0] for i, (p, spec) in enumerate(zip(prompts, specs,
                                                                                                     strict=True))]
     every_round = runtime.request.method_settings(art, "lookahead", {"adaptive": False}, None)  # no timed choice
-    reqs[4].drafter = make_drafter(art, "lookahead", every_round, reqs[4].decoding.params, reqs[4].decoding.params,
-                                   reqs[4].rng, None)
-    reqs[4].rounds = RoundStats()
+    for r, method, settings, length in ((reqs[4], "lookahead", every_round, None), (reqs[5], "draft", None, 2)):
+        # a generation's own drafters: lookahead's tree and window rows; a draft model drafting with its own
+        # (fixed) policy, in the same DLM calls as the server's draft-model request
+        r.drafter = make_drafter(art, method, settings, r.decoding.params, r.decoding.params, r.rng, length,
+                                 engine.dlm, engine.stats)
+        r.rounds = RoundStats()
     for r in reqs:
         engine.add([r])
     with art.exclusive():
@@ -58,6 +63,7 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
     assert engine.stats["drafted"] > 0 and engine.stats["accepted"] > 0
     rounds = reqs[4].rounds  # every token after the first came from a round: its accepted drafts and one more
     assert rounds.delivered == N - 1 <= rounds.accepted + rounds.rounds + rounds.plain_steps and rounds.rounds > 0
+    assert reqs[5].rounds.rounds > 0 and reqs[5].drafter.summary()["draft_lengths_used"] == {2: reqs[5].rounds.rounds}
     assert engine.stats["calls"] < engine.stats["steps"] * 2  # rows of every request in a call or two a step
     assert not engine.live and engine.forest.free_slots() == art.manifest.capacity  # all slots back
 

@@ -105,11 +105,12 @@ def test_greedy_decoding_reads_the_graphs_tokens_never_the_logits(greedy_artifac
         runtime.generate(art, prompt, max_new_tokens=4, do_sample=True, seed=1)
 
 
-def test_greedy_decoding_refuses_non_finite_logits_from_the_graphs_check(checkpoints, tmp_path, monkeypatch, no_logits):
+def test_greedy_decoding_refuses_non_finite_logits_from_the_graphs_check(checkpoints, tmp_path, monkeypatch, request):
     bad = _damaged_checkpoint(checkpoints, tmp_path, float("nan"))
     monkeypatch.setattr(export.weights, "check_finite", lambda array, key, role: None)  # let the NaN through
     monkeypatch.setattr(targets, "TARGETS", greedy_targets())
     art = runtime.load_artifact(build_artifact(TLM_ONLY, tmp_path / "art", tlm=str(bad), progress=False),
                                 device_cache=True)
+    request.getfixturevalue("no_logits")  # the build's timing takes logits, as a sampling call would
     with pytest.raises(NonFiniteLogitsError, match="NaN/Inf logits"):
         runtime.generate(art, [5, 6, 7], max_new_tokens=4)

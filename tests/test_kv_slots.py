@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import runtime
@@ -95,17 +96,33 @@ def test_graphs_are_timed_with_a_short_visible_prefix_whatever_the_capacity(cont
     """Attention's cost follows the keys a row sees: the compiler times every graph with at most 128
     of them (half the cache when smaller), so a large serving cache does not make a 9-row call look
     dearer than two 4-row calls, where the weights' cost is what differs."""
-    import numpy as np
+    from compiler.costs import visible_slots
 
-    from common import graph_io
-    from common.graph_io import ModelDims
-    from compiler.costs import call_inputs
+    sees = visible_slots(context)
+    assert sees.shape == (context,) and sees[:visible].all() and not sees[visible:].any()
 
-    inputs = call_inputs(ModelDims(n_layers=2, n_kv_heads=2, head_dim=8, vocab_size=64), 5, context, "cpu")
-    feeds = {k: v.numpy() for k, v in inputs.items()}  # views of the OrtValues' memory: `inputs` keeps it
-    assert feeds[graph_io.past_key(0)].dtype == np.float32  # the model's KV type (float16 on a GPU target)
-    mask = feeds[graph_io.ATTENTION_MASK][0]
-    assert mask.shape == (5, context + 5)
-    assert (mask[:, :visible]).all() and not mask[:, visible:context].any()
-    np.testing.assert_array_equal(mask[:, context:], np.tri(5, dtype=bool))
-    np.testing.assert_array_equal(feeds[graph_io.POSITION_IDS][0], np.arange(5) + visible)
+
+def test_the_build_times_each_graph_through_the_runtimes_runner(artifact_dir, monkeypatch):
+    """The compiler's costs are the runtime's own calls (ModelRunner.run_rows, its placement's binding), each
+    graph's rows seeing the short visible prefix and each other causally."""
+    from common.manifest import read_manifest
+    from common.targets import get_target
+    from compiler.costs import graph_costs_ms
+    from runtime.model_runner import ModelRunner
+
+    seen, real = [], ModelRunner.run_rows
+
+    def spy(self, graph, tokens, cache_sees, sees, check=True, fetch=True, positions=None):
+        causal = bool((sees == np.tri(len(tokens), dtype=bool)).all())
+        seen.append((graph, len(tokens), int(cache_sees.sum()), causal))
+        return real(self, graph, tokens, cache_sees, sees, check, fetch, positions)
+
+    monkeypatch.setattr(ModelRunner, "run_rows", spy)
+    manifest = read_manifest(artifact_dir)
+    entry = manifest.models["tlm"]
+    costs = graph_costs_ms(artifact_dir, entry, manifest.capacity, get_target(manifest.target), repeats=2)
+    assert set(costs) == set(entry.graphs) and all(ms > 0 for ms in costs.values())
+    c = manifest.capacity
+    assert sorted(set(seen)) == sorted({(g, e.tokens, min(128, c // 2, c - e.tokens), True)
+                                        for g, e in entry.graphs.items()})
+    assert len(seen) == 3 * len(entry.graphs)  # a warm round, then two timed

@@ -288,7 +288,7 @@ def test_rows_take_turns_at_each_position(monkeypatch):
             assert length == 0
 
     class Art:
-        tlm = Runner()
+        runners = {"tlm": Runner(), "dlm": Runner()}
 
     def generate(art, prompt, **kw):
         calls.append(kw["speculative"])

@@ -117,8 +117,9 @@ def test_valid_cache_after_rejections_equals_autoregressive_cache(arts):
     s = r.metrics.speculative
     assert s["accepted"] < s["drafted"]  # at least one rejection happened
     committed = np.array([0, 11, 12, 13] + r.token_ids[:-1])
-    # the TLM's sequence is the engine's (kept for the next generation), the DLM's its drafter's valid length
-    slots = {"tlm": engine_of(art).forest.cache.match(committed), "dlm": np.arange(art.dlm.length)}
+    # each model's sequence is kept by the engine's forest over its cache, for the next generation
+    engine = engine_of(art)
+    slots = {"tlm": engine.forest.cache.match(committed), "dlm": engine.dlm.cache.match(committed)}
     for role in ("tlm", "dlm"):
         live, mine = art.runners[role], slots[role]
         fresh = ModelRunner(art.path, art.manifest.models[role], art.manifest.capacity)
@@ -253,16 +254,32 @@ def test_the_dlm_is_fed_the_prompt_only_at_its_first_draft(arts):
     the caches): start() feeds it nothing, the first draft catches up on everything committed."""
     from runtime.draft_model import DraftModelDrafter
     from runtime.draft_policy import DraftPolicy
+    from runtime.forest import Forest
 
     art = arts[3]
-    drafter = DraftModelDrafter(art.dlm, runtime.SamplingParams(), DraftPolicy({1: 1.0}, 1.0, 0.1, fixed=1),
-                                np.random.default_rng(0))
+    drafter = DraftModelDrafter(Forest(art.dlm), runtime.SamplingParams(), np.random.default_rng(0),
+                                DraftPolicy({1: 1.0}, 1.0, 0.1, fixed=1))
     calls = art.dlm.calls
     committed = [5, 6, 7, 8, 9]
     drafter.start(committed)
-    assert art.dlm.calls == calls and art.dlm.length == 0
+    assert art.dlm.calls == calls and drafter.used == 0
     proposal = drafter.propose(committed, room=10)
-    assert len(proposal.tokens) == 1 and art.dlm.length == len(committed) and art.dlm.calls > calls
+    assert len(proposal.tokens) == 1 and drafter.used == len(committed) and art.dlm.calls > calls
+
+
+def test_the_next_generation_reuses_the_draft_models_cached_prefix(arts):
+    """A finished generation's DLM prefix stays in the engine's DLM forest (as the TLM's does), so the next
+    turn's first draft catches up on the new tokens only; the output is the cold run's."""
+    from runtime.engine import engine_of
+
+    art, prompt = arts[3], [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    kw = dict(max_new_tokens=12, speculative="draft", draft_length=3, do_sample=False)
+    cold = runtime.generate(art, prompt, **kw)
+    stats = engine_of(art).stats
+    before = stats["draft_cached_tokens"]
+    warm = runtime.generate(art, prompt, **kw)
+    assert warm.token_ids == cold.token_ids
+    assert stats["draft_cached_tokens"] - before >= len(prompt) - 1
 
 
 def test_prompt_lookup_finds_the_latest_longest_match():

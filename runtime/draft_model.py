@@ -73,7 +73,7 @@ class DraftModelDrafter:
             d.fed = None
         # greedy on a device: each row's token crosses to the host, not its logits
         fetch = not runner.greedy_outputs or any(drafters[i].params.do_sample for i in going)
-        drafts = {i: ([], []) for i in going}  # tokens, q
+        drafts = {i: ([], np.zeros((ks[i], vocab))) for i in going}  # tokens, q (a row per draft)
         chains = [texts[i][drafters[i].branch.length :] for i in going]  # catch up first
         behind = {i: len(c) > 2 for i, c in zip(going, chains, strict=True)}  # more than a round's 1-2 tokens
         for step in range(max(ks)):
@@ -94,12 +94,11 @@ class DraftModelDrafter:
                     continue
                 tokens, q = drafts[i]
                 if d.params.do_sample:
-                    q.append(warp(row[0], d.params))
-                    tokens.append(int(sample(q[-1], d.rng)))
+                    q[step] = warp(row[0], d.params)
+                    tokens.append(int(sample(q[step], d.rng)))
                 else:  # a greedy draft is the argmax, q its one-hot (what warp gives), no random draw
                     tokens.append(int(np.argmax(row[0]) if fetch else row[0]))
-                    q.append(np.zeros(vocab))
-                    q[-1][tokens[-1]] = 1.0
+                    q[step, tokens[-1]] = 1.0
                 if step + 1 < ks[i]:
                     still.append(i)
                     chains.append(tokens[-1:])
@@ -109,7 +108,7 @@ class DraftModelDrafter:
         cold = runner.warm != warm
         for i, (tokens, q) in drafts.items():
             drafters[i].cold = cold
-            out[i] = Proposal.chain(np.array(tokens), np.stack(q))
+            out[i] = Proposal.chain(np.array(tokens), q)
         return out
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],

@@ -37,6 +37,7 @@ class Proposal:
     q: np.ndarray | None = None
     aux_tokens: np.ndarray = field(default_factory=lambda: _NONE)
     aux_sees: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
+    _rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def chain(cls, tokens: np.ndarray, q: np.ndarray | None = None) -> Proposal:
@@ -56,7 +57,13 @@ class Proposal:
         return max(depth)
 
     def rows(self, root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The call: tokens [n] (root, tree, aux), the tree's parents [1 + m] and sees bool [n, n]."""
+        """The call: tokens [n] (root, tree, aux), the tree's parents [1 + m] and sees bool [n, n]
+        (made once: the engine asks when it builds the call and again when it verifies)."""
+        if self._rows is None or self._rows[0] != root:
+            self._rows = root, self._make_rows(root)
+        return self._rows[1]
+
+    def _make_rows(self, root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         parents = np.concatenate([[-1], self.parents]).astype(np.int64)
         tree = len(parents)
         n = tree + len(self.aux_tokens)

@@ -60,6 +60,7 @@ class DraftModelDrafter:
         if not going:
             return out
         forest = drafters[going[0]].forest
+        assert all(drafters[i].forest is forest for i in going), "one call: drafters over one DLM forest"
         runner, vocab = forest.runner, forest.runner.dims.vocab_size
         warm = set(runner.warm)
         for i in going:

@@ -119,7 +119,8 @@ class Request:
     @property
     def dlm_need(self) -> int:
         """The same in the DLM's cache (no prompt is shared there)."""
-        if self.spec is None or self.spec.method != "draft":
+        drafts = self.spec.method == "draft" if self.spec is not None else getattr(self.drafter, "name", "") == "draft"
+        if not drafts:
             return 0
         used = self.drafter.used if self.drafter is not None else 0  # a DraftModelDrafter's DLM slots
         return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
@@ -416,7 +417,7 @@ class Engine:
         for req in reqs:
             room = forest.runner.max_length - 1 - req.branch.length
             if req.spec is not None:
-                room = req.spec.length(min(room, req.spec.k if req.decoding.params.do_sample else k_greedy))
+                room = req.spec.room(req.spec.k if req.decoding.params.do_sample else k_greedy, room)
             groups.setdefault(type(req.drafter), []).append((req, room))
         out = {}
         for kind, group in groups.items():

@@ -12,6 +12,7 @@ comes from the branches sharing each call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +78,9 @@ class MultiGeneration:
 
     def _run(self) -> Iterator[tuple[int, int]]:
         engine = Engine(self.art, prefix_cache=False)
+        now = time.perf_counter()
+        for r in self.group:  # the clock starts when the caller starts reading
+            r.submitted = now
         engine.add(self.group)
         finish: list[str | None] = [None] * self.n
         own, first_step = self.group[-self.n:], None  # after the shared context's request, if any

@@ -134,9 +134,13 @@ class Speculation:
     def k(self) -> int:
         return self.lengths[-1]
 
-    def length(self, room: int) -> int:
-        """The draft length of a round with room for at most `room` drafts."""
-        return max(k for k in self.lengths if k <= room)
+    def room(self, k: int, context_room: int) -> int:
+        """The most a round's drafter may propose when the step's length is k (0: a plain step): the
+        longest allowed length up to k and the context; a lookahead step runs whole (as far as the
+        context allows) whenever k is not 0, since its window is not a chain of k drafts."""
+        if self.method == "lookahead":
+            return context_room if min(k, context_room) else 0
+        return max(length for length in self.lengths if length <= min(k, context_room))
 
 
 def batched_speculation(art: Artifact, speculative: object, draft_length: object = None) -> Speculation | None:

@@ -178,3 +178,23 @@ def test_followers_of_a_leader_gone_before_its_prompt_was_in_follow_the_next(art
     for r, s in zip(reqs[1:], (2, 3), strict=True):
         assert [e.token for e in r.events() if e.token is not None] == runtime.generate(
             art, prompt, max_new_tokens=N, do_sample=True, seed=s, speculative=False).token_ids
+
+
+def test_a_server_lookahead_step_runs_whole_whatever_length_the_batch_policy_chose(art, monkeypatch):
+    """A lookahead step is its window and candidates, not a chain of k drafts: any non-zero length the batch
+    policy chooses (its probe's 1 included) runs the whole step, as far as the context allows, and its
+    output is the prompt's decoded alone."""
+    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: 1)
+    spec = batched_speculation(art, "lookahead")
+    assert spec.room(1, 100) == 100 and spec.room(0, 100) == 0 and spec.room(3, 0) == 0
+    draft = batched_speculation(art, "draft")  # a chain: the longest compiled length within both
+    assert draft.room(100, 5) == max(k for k in draft.lengths if k <= 5) and draft.room(1, 100) == 1
+    out = []
+    engine = Engine(art, prefix_cache=False)
+    req = make_requests(art, REPEATS, [decoding(max_new_tokens=N, do_sample=False)],
+                        [lambda e: out.append(e.token) if e.token is not None else None], spec)[0]
+    engine.add([req])
+    with art.exclusive():
+        engine.run()
+    assert out == _alone(art, REPEATS, speculative=False)
+    assert req.drafter.windows > 0  # window steps ran (before the fix: a length of 1 made every step plain)

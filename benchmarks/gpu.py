@@ -46,7 +46,7 @@ from runtime.request import encode_prompt
 def call_inputs(dims: graph_io.ModelDims, tokens: int, context: int, device: str) -> dict[str, ort.OrtValue]:
     """A call's inputs on `device`, as the compiler times it (compiler/costs.py: a short visible prefix)."""
     shapes = graph_io.input_shapes(dims, 1, tokens, context)
-    visible = visible_slots(context)
+    visible = visible_slots(context, tokens)
     mask = np.zeros(shapes[graph_io.ATTENTION_MASK], dtype=bool)
     mask[:, :, :context] = visible
     mask[:, :, context:] = np.tri(tokens, dtype=bool)

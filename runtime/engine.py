@@ -119,10 +119,10 @@ class Request:
     @property
     def dlm_need(self) -> int:
         """The same in the DLM's cache (no prompt is shared there)."""
-        drafts = self.spec.method == "draft" if self.spec is not None else getattr(self.drafter, "name", "") == "draft"
-        if not drafts:
+        drafter = self.drafter
+        if (self.spec.method if self.spec is not None else drafter.name if drafter is not None else None) != "draft":
             return 0
-        used = self.drafter.used if self.drafter is not None else 0  # a DraftModelDrafter's DLM slots
+        used = drafter.used if drafter is not None else 0  # a DraftModelDrafter's DLM slots
         return len(self.prompt) + max(self.max_new_tokens, 1) - 1 + self.spare - used
 
     @property
@@ -200,7 +200,6 @@ class Engine:
         # least half the time on held-out answers (0.7 and above for the default recipe's table).
         priors = table_priors(art.ngram_table)
         self._table_kinds = {kind for kind, right in priors.items() if kind >= TABLE_KIND and right >= 0.5}
-        self._costed = False  # whether the batch policy chose this step's draft length
 
     def add(self, group: list[Request]) -> None:
         """Queue requests admitted together or not at all (checked with `check_fits` first)."""
@@ -273,7 +272,7 @@ class Engine:
         running ones, then the next chunks of the prompts still being prefilled."""
         forest, dlm = self.forest, self.dlm
         start, calls = time.perf_counter(), self.art.tlm.calls
-        runners, self._costed = [dlm.runner, forest.runner] if dlm else [forest.runner], False
+        runners = [dlm.runner, forest.runner] if dlm else [forest.runner]
         calls0, predicted0 = sum(r.calls for r in runners), sum(r.predicted_ms for r in runners)
         accepted = self.stats["accepted"]
         for req in [r for r in self.live if r.cancelled]:
@@ -288,6 +287,7 @@ class Engine:
                         other.leader = req if other.prompt[: len(req.prompt)] == req.prompt else None
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
         draft_s, speculating = time.perf_counter(), [r for r in running if r.drafter]
+        costed = any(r.spec is not None and not r.decoding.params.do_sample for r in speculating)  # batch policy
         proposals = self._propose(speculating) if speculating else {}
         draft_s = time.perf_counter() - draft_s
         running = [r for r in running if r in self.live]  # a draft model's NaN ends only its own request
@@ -338,10 +338,10 @@ class Engine:
         tokens, tested = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
                                     proposals, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
-        if self._costed or tested:  # the policy learns acceptance, and its steps' host time per call
+        if costed or tested:  # the batch policy learns acceptance, and the host time per call of its steps
             self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3,
                                 sum(r.predicted_ms for r in runners) - predicted0,
-                                sum(r.calls for r in runners) - calls0 if self._costed else 0)
+                                sum(r.calls for r in runners) - calls0 if costed else 0)
         self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
@@ -411,7 +411,6 @@ class Engine:
         when it samples). A drafter class with `propose_batch` proposes for all its requests at once."""
         forest, groups = self.forest, {}
         greedy = [r for r in reqs if r.spec is not None and not r.decoding.params.do_sample]
-        self._costed = bool(greedy)
         k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
                                       max(r.spec.k for r in greedy)) if greedy else 0
         for req in reqs:

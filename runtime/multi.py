@@ -99,7 +99,7 @@ class MultiGeneration:
                 first_step = engine.stats["steps"]
         results = [GenerationResult(r.tokens, self.art.tokenizer.decode(r.tokens, skip_special_tokens=True), f,
                                     r.metrics(self.art.load_seconds)) for r, f in zip(own, finish, strict=True)]
-        start, end = min(r.submitted for r in self.group), max(r.finished for r in self.group)
+        start, end = now, max(r.finished for r in self.group)
         new = sum(len(r.tokens) for r in own)
         first = max(r.first_token or end for r in own)
         metrics = MultiMetrics(

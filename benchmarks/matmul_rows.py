@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             libraries = {"installed": None} | ({"baseline": args.baseline} if other else {})
             sessions = {}
             for name, lib in libraries.items():  # each library's weights in the MXFP6 layout it prefers
-                layout = preferred_mx_layout(lib) if kind in NATIVE else TRIPLES
+                layout = preferred_mx_layout(lib, NATIVE[kind][1]) if kind in NATIVE else TRIPLES
                 model, nbytes = stack(kind, args.layers, args.columns, layout, args.depth)
                 path = Path(tmp) / f"{kind.replace(' ', '_')}_{name}.onnx"
                 onnx.save(model, path, save_as_external_data=True, location=path.stem + ".bin")

@@ -325,7 +325,8 @@ def lower_model(model: onnx.ModelProto, lowering: str, read: Read = lambda t: t.
         else:
             if not users or any(u.op_type != "MatMul" or u.input[1] != w for u in users):
                 raise LoweringError(f"weight {w!r}: the {lowering} lowering needs it to feed MatMul weights only")
-            layout = preferred_mx_layout() if lowering in NATIVE_ACTIVATION_BITS else None
+            layout = (preferred_mx_layout(activation_bits=NATIVE_ACTIVATION_BITS[lowering])
+                      if lowering in NATIVE_ACTIVATION_BITS else None)
             b.source = ((lowering, layout, fmt, data.data_type, tuple(data.dims), tuple(scale.dims), *where)
                         if None not in where else None)
             if lowering == "fused":

@@ -17,7 +17,7 @@ import functools
 import importlib.machinery
 from pathlib import Path
 
-from kernels.layout import TRIPLES
+from kernels.layout import PLANES, PLANES8, TRIPLES
 
 DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
@@ -79,12 +79,15 @@ def require_cuda_library() -> Path:
 
 
 @functools.cache
-def preferred_mx_layout(path: Path | None = None) -> int:
-    """The MXFP6 weight layout (kernels.layout.TRIPLES or PLANES) that the library at `path` (default: this
-    installation's) multiplies fastest on this CPU; TRIPLES from a library older than the choice."""
+def preferred_mx_layout(path: Path | None = None, activation_bits: int = 16) -> int:
+    """The MXFP6 weight layout (kernels.layout.TRIPLES, PLANES or PLANES8) that the library at `path` (default:
+    this installation's) multiplies fastest on this CPU with these activations: PLANES8 where PLANES would be,
+    with int8 activations (the AVX2 path's vpmaddubsw loop reads it); TRIPLES from a library older than the
+    choice."""
     library = ctypes.CDLL(str(path or require_library()))
     ask = getattr(library, "mxspd_mx_preferred_layout", None)
     if ask is None:
         return TRIPLES
     ask.restype = ctypes.c_int64
-    return int(ask())
+    layout = int(ask())
+    return PLANES8 if layout == PLANES and activation_bits == 8 else layout

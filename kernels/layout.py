@@ -10,8 +10,11 @@ endian), which the AVX-512 path unpacks with two byte permutes and a multishift 
 (layout PLANES, what the AVX2 path decodes fastest) each pair of chunks as 96 bytes: the codes' low 4
 bits (chunk 2p's 32 bytes, then chunk 2p + 1's; byte i holds position i in bits 0-3 and 32 + i in
 4-7), then 32 bytes of their top two bits (byte i, from bit 7 down: bit 4, bit 5 of positions i and
-32 + i of chunk 2p, then of chunk 2p + 1). Scales (pack_scales): [G, KB, 16] E8M0 bytes. Groups are
-contiguous, so a call streams each weight once, front to back.
+32 + i of chunk 2p, then of chunk 2p + 1). Layout PLANES8 is PLANES with another chunk byte order, for
+int8 activations (vpmaddubsw's 4 codes per column and 32-bit lane): byte o of chunk q is code 4q + o % 4
+of column 4 (o // 32) + 8 ((o % 32) // 16) + (o % 16) // 4 (columns 0-3 and 8-11 in the first 32 bytes,
+4-7 and 12-15 in the second: the AVX2 path's column order). Scales (pack_scales): [G, KB, 16] E8M0
+bytes. Groups are contiguous, so a call streams each weight once, front to back.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ BLOCK = 32
 GROUP = 16  # MXMatMul's output columns per group: packed weights concatenate along N in whole groups
 CHUNKS = 8
 BLOCK_BYTES = {6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
-TRIPLES, PLANES = 0, 1  # MXMatMul's attribute `layout` (MXFP6 only)
+TRIPLES, PLANES, PLANES8 = 0, 1, 2  # MXMatMul's attribute `layout` (MXFP6 only; PLANES8 with int8 activations)
 PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
 GPU_BLOCK_BYTES = {6: 24, 8: 32}  # ai.mxspd::MXMatMulGPU (mx_gpu_layout.h): bytes per column and block of 32
 
-# Chunk byte o of chunk q: (column, code) within a group's block.
+# Chunk byte o of chunk q: (column, code) within a group's block; PLANES8's order apart.
 _O = np.arange(64)
 _COLUMN = np.broadcast_to((_O % 32) // 2, (CHUNKS, 64))
 _CODE = 4 * np.arange(CHUNKS)[:, None] + 2 * (_O // 32) + _O % 2
+_COLUMN8 = np.broadcast_to(4 * (_O // 32) + 8 * ((_O % 32) // 16) + (_O % 16) // 4, (CHUNKS, 64))
+_CODE8 = 4 * np.arange(CHUNKS)[:, None] + _O % 4
 
 
 def pack_panels(weight: np.ndarray) -> np.ndarray:
@@ -41,23 +46,24 @@ def pack_panels(weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(k, panels, PANEL).transpose(1, 0, 2))
 
 
-def _chunks(codes: np.ndarray) -> np.ndarray:
-    """Codes [K, N] -> [G, KB, 8, 64] in the kernel's byte order (padding with code 0)."""
+def _chunks(codes: np.ndarray, four: bool = False) -> np.ndarray:
+    """Codes [K, N] -> [G, KB, 8, 64] in the kernel's byte order (`four`: PLANES8's; padding with code 0)."""
     k, n = codes.shape
     kb, groups = -(-k // BLOCK), -(-n // GROUP)
     c = np.zeros((groups * GROUP, kb * BLOCK), dtype=codes.dtype)
     c[:n, :k] = codes.T
     c = c.reshape(groups, GROUP, kb, BLOCK).transpose(0, 2, 1, 3)  # [G, KB, column, code]
-    return c[:, :, _COLUMN, _CODE]
+    return c[:, :, _COLUMN8, _CODE8] if four else c[:, :, _COLUMN, _CODE]
 
 
 def pack_columns(codes: np.ndarray, layout: int = TRIPLES) -> np.ndarray:
     """FLOAT6 codes uint8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 384] in `layout`."""
-    chunks = _chunks(codes)
-    if layout == PLANES:
-        return _planes(chunks)
+    if layout in (PLANES, PLANES8):
+        return _planes(_chunks(codes, four=layout == PLANES8))
     if layout != TRIPLES:
-        raise ValueError(f"unknown MXFP6 layout {layout!r}: {TRIPLES} (triples) or {PLANES} (planes)")
+        raise ValueError(f"unknown MXFP6 layout {layout!r}: {TRIPLES} (triples), {PLANES} (planes) or {PLANES8} "
+                         "(planes8)")
+    chunks = _chunks(codes)
     eights = chunks.astype(np.uint64).reshape(*chunks.shape[:3], 8, 8)
     bits = (eights << (6 * np.arange(8, dtype=np.uint64))).sum(axis=-1, dtype=np.uint64)  # 48 bits per 8 codes
     low6 = bits[..., None].view(np.uint8)[..., :6]  # little-endian: the low 6 bytes

@@ -25,14 +25,19 @@
 //      then chunk 2p + 1's (byte i: position i in bits 0-3, position 32 + i in bits 4-7), then 32 bytes
 //      of their top 2 bits (byte i, from bit 7 down: bit 4 then bit 5 of positions i and 32 + i of chunk
 //      2p, then of chunk 2p + 1): what AVX2 decodes with the fewest operations (a mask, a byte doubling,
-//      a 16-entry lookup and two blends per 32 codes). The compiler picks the library's preferred one.
+//      a 16-entry lookup and two blends per 32 codes).
+//   2, planes8 (int8 activations only): planes' bits with another byte order, chunk byte o holding code
+//      4q + o % 4 of column 4 (o / 32) + 8 ((o % 32) / 16) + (o % 16) / 4: one column's 4 codes per
+//      32-bit lane, for vpmaddubsw (columns 0-3 and 8-11 first: the AVX2 path's ColumnOrder).
+// The compiler picks the library's preferred one for the activations (kernels.preferred_mx_layout).
 // One pass over a group's weights serves every row of the call, and each extra row costs
 // 16 dot products, one conversion, one scale product and one fma per 16 columns and block.
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
-// AVX2 (up to 6 rows per pass), portable; from 16 rows (MXINT8: 8 on AVX2, 32 on AVX-512) the AVX-512
-// and AVX2 paths decode each weight once per call and pass over it for every row (int8 activations with
-// MXFP6 weights: vpmaddubsw on AVX2). All give the same bits (tests/test_native_kernel.py).
+// AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
+// 8 on AVX2, 32 on AVX-512) the AVX-512 and AVX2 paths decode each weight once per call and pass over it
+// for every row (int8 activations with MXFP6 weights: vpmaddubsw on AVX2). All give the same bits
+// (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -104,7 +109,7 @@ inline uint64_t eight_codes(const uint8_t* chunk, int i) {
   return bits >> (8 * (6 * i - at));
 }
 
-enum Layout : int64_t { kTriples = 0, kPlanes = 1 };
+enum Layout : int64_t { kTriples = 0, kPlanes = 1, kPlanes8 = 2 };
 constexpr int kPairBytes = 96;  // planes: a pair of MXFP6 chunks
 
 // The code at byte o of chunk q of a planes block: its low 4 bits from the chunk's nibbles, bits 4 and 5
@@ -116,13 +121,19 @@ inline int plane_code(const uint8_t* block, int q, int o) {
   return low | ((plane >> (7 - 2 * r)) & 1) << 4 | ((plane >> (6 - 2 * r)) & 1) << 5;
 }
 
+// The column and code of byte o of chunk q of a group's block (planes8: 4 codes per column and 32-bit lane).
+inline std::pair<int, int> column_code(int q, int o, Layout layout) {
+  if (layout == kPlanes8) return {4 * (o / 32) + 8 * ((o % 32) / 16) + (o % 16) / 4, 4 * q + o % 4};
+  return {(o % 32) / 2, 4 * q + 2 * (o / 32) + o % 2};
+}
+
 // The integer weight at byte o of chunk q of a group's block (the layouts above).
 template <int WBits>
 int weight_at(const uint8_t* block, int q, int o, Layout layout) {
   const uint8_t* chunk = block + q * kChunkBytes<WBits>;
   if constexpr (WBits == 8)
     return static_cast<int8_t>(chunk[o]);
-  else if (layout == kPlanes)
+  else if (layout != kTriples)  // planes and planes8: the same bits, another (column, code) per byte
     return kCodes.weight[plane_code(block, q, o)];
   else
     return kCodes.weight[(eight_codes(chunk, o / 8) >> (6 * (o % 8))) & 63];
@@ -138,6 +149,7 @@ struct Activations {
   std::vector<int16_t> q;    // [KB, M, 32]: a block's rows side by side, at fixed offsets from one pointer
   std::vector<float> scale;  // [KB, M]
   std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path)
+  std::vector<int8_t> signs;    // [KB, M, 64]: int8 activations, then their negations (sign(), planes8's rows)
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
     q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
@@ -161,6 +173,17 @@ struct Activations {
   void bias() {
     biased.resize(q.size());
     for (size_t i = 0; i < q.size(); ++i) biased[i] = static_cast<uint8_t>(q[i] + 128);
+  }
+
+  // signs: each block's 32 int8 activations (|q| <= 127), then the same negated: planes8's few-row path
+  // moves each weight's sign onto its activation by choosing between the two.
+  void sign() {
+    signs.resize(2 * q.size());
+    for (size_t i = 0; i < q.size(); i += kBlock)
+      for (int j = 0; j < kBlock; ++j) {
+        signs[2 * i + j] = static_cast<int8_t>(q[i + j]);
+        signs[2 * i + kBlock + j] = static_cast<int8_t>(-q[i + j]);
+      }
   }
 
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
@@ -217,6 +240,7 @@ struct Problem {
   const int16_t* xq;  // [KB, M, 32]
   const float* xs;    // [KB, M]
   const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 many-row path reads them
+  const int8_t* xn;   // [KB, M, 64]: the int8 activations and their negations, where planes8's few-row path reads them
   const uint8_t* w;   // [G, KB, kGroupBlockBytes<WBits>]
   const uint8_t* s;   // [G, KB, 16]
   float* y;           // [M, N]
@@ -226,6 +250,7 @@ struct Problem {
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
   const uint8_t* x_biased(int64_t row, int64_t b) const { return xu + (b * m + row) * kBlock; }
+  const int8_t* x_signs(int64_t row, int64_t b) const { return xn + (b * m + row) * 2 * kBlock; }
   const uint8_t* block(int64_t g, int64_t b) const { return w + (g * kb + b) * kGroupBlockBytes<WBits>; }
   const uint8_t* exponents(int64_t g, int64_t b) const { return s + (g * kb + b) * kGroup; }
   int columns(int64_t g) const { return static_cast<int>(std::min<int64_t>(kGroup, n - g * kGroup)); }
@@ -238,8 +263,10 @@ void group_scalar(const Problem<WBits>& p, int64_t g, int64_t row0, int rows) {
   for (int64_t b = 0; b < p.kb; ++b) {
     int32_t w[kGroup][kBlock];  // [column][code]
     for (int q = 0; q < kChunks; ++q)
-      for (int o = 0; o < 64; ++o)
-        w[(o % 32) / 2][4 * q + 2 * (o / 32) + o % 2] = weight_at<WBits>(p.block(g, b), q, o, p.layout);
+      for (int o = 0; o < 64; ++o) {
+        const auto [column, code] = column_code(q, o, p.layout);
+        w[column][code] = weight_at<WBits>(p.block(g, b), q, o, p.layout);
+      }
     const uint8_t* e = p.exponents(g, b);
     for (int r = 0; r < rows; ++r) {
       const int16_t* x = p.x(row0 + r, b);
@@ -365,6 +392,14 @@ __attribute__((target("avx2,fma"))) inline void widen_avx2(__m256i v, __m256i ou
   out[1] = _mm256_unpackhi_epi8(v, sign);
 }
 
+// A row's 16 columns from ColumnOrder (a0: columns 0-3 and 8-11, a1: 4-7 and 12-15) back in order into y.
+__attribute__((target("avx2,fma"))) inline void store_columns_avx2(__m256 a0, __m256 a1, float* y, int columns) {
+  alignas(32) float out[kGroup];
+  _mm256_store_ps(out, _mm256_permute2f128_ps(a0, a1, 0x20));
+  _mm256_store_ps(out + 8, _mm256_permute2f128_ps(a0, a1, 0x31));
+  std::memcpy(y, out, columns * sizeof(float));
+}
+
 // The 16 columns' block scales, in ColumnOrder; the table only where one is not a normal float (rare).
 template <int WBits>
 __attribute__((target("avx2,fma"))) inline void scales_avx2(const uint8_t* e8, __m256 ws[2]) {
@@ -433,12 +468,65 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
                                     acc[r][h]);
   }
-  for (int r = 0; r < Rows; ++r) {
-    alignas(32) float out[kGroup];  // back from ColumnOrder
-    _mm256_store_ps(out, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
-    _mm256_store_ps(out + 8, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
-    std::memcpy(p.y + (row0 + r) * p.n + g * kGroup, out, p.columns(g) * sizeof(float));
+  for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
+}
+
+// ---- AVX2, int8 activations on layout planes8 (one row to a few) -----------------------------------
+// Each 32-bit lane of a decoded register holds one column's 4 codes of a chunk (planes8), so one
+// vpmaddubsw multiplies 8 columns' codes by the row's 4 activations of that chunk: the weights' magnitudes
+// (unsigned, <= 60) by the activations with each weight's sign moved onto them (a blend of x and -x by
+// the plane's sign flag: no negation of the weights, no widening to int16). Two chunks' pair sums (each
+// <= 2 x 60 x 127 = 15,240) add as int16 (<= 30,480: no saturation), then one vpmaddwd by ones widens
+// them to int32: the block's exact integer sums, so the bits are the int16 loop's on the same integers.
+// ~35 vector operations per 128 codes against ~58 for the int16 loop.
+template <int Rows>
+__attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, int64_t g, int64_t row0) {
+  __m256 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i upper = _mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v));
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const uint8_t* blk = p.block(g, b);
+    prefetch_ahead<6, 1024>(blk);
+    const int8_t* xb = p.x_signs(row0, b);  // row r's 32 activations at xb + 64 r, their negations 32 further
+    __m256i sum[Rows][2];
+    for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int q2 = 0; q2 < kChunks; q2 += 2) {
+      const uint8_t* pair = blk + static_cast<unsigned>(q2) / 2 * kPairBytes;
+      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+      const __m256i low[4] = {_mm256_and_si256(first, low4), _mm256_and_si256(_mm256_srli_epi16(first, 4), low4),
+                              _mm256_and_si256(second, low4), _mm256_and_si256(_mm256_srli_epi16(second, 4), low4)};
+      __m256i flags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 64));
+      __m256i s16[Rows][2];
+      for (int reg = 0; reg < 4; ++reg) {  // chunk q2 + reg / 2, columns of ColumnOrder half reg % 2
+        const __m256i mag = _mm256_blendv_epi8(low[reg], _mm256_shuffle_epi8(upper, low[reg]), flags);
+        flags = _mm256_add_epi8(flags, flags);  // bit 7: the sign
+        const __m256i sign = flags;
+        flags = _mm256_add_epi8(flags, flags);
+        const int q = q2 + reg / 2, h = reg % 2;
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4, n4;
+          std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
+          std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
+          const __m256i prod =
+              _mm256_maddubs_epi16(mag, _mm256_blendv_epi8(_mm256_set1_epi32(x4), _mm256_set1_epi32(n4), sign));
+          s16[r][h] = reg < 2 ? prod : _mm256_add_epi16(s16[r][h], prod);
+        }
+      }
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(s16[r][h], ones));
+    }
+    __m256 ws[2];
+    scales_avx2<6>(p.exponents(g, b), ws);
+    const float* xs = p.x_scale(row0, b);
+    for (int r = 0; r < Rows; ++r)
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
+                                    acc[r][h]);
   }
+  for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
 }
 
 // ---- AVX2, many rows (prefill, a server's batched step): each weight decoded once per call ---------
@@ -476,8 +564,8 @@ struct Avx2Tile {
   alignas(32) int32_t bias[kTileBlocks2 * kGroup];  // Int8: 128 x each column's code sum, ColumnOrder
 };
 
-// Blocks b0 .. b0 + count - 1 of group g, decoded into t.
-template <int WBits, bool Planes, bool Int8>
+// Blocks b0 .. b0 + count - 1 of group g, decoded into t (Four: layout planes8, already in the tile's order).
+template <int WBits, bool Planes, bool Int8, bool Four>
 __attribute__((target("avx2,fma"))) void decode_group_avx2(const Problem<WBits>& p, int64_t g, int64_t b0,
                                                            int64_t count, Avx2Tile<Int8>& t) {
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
@@ -495,8 +583,8 @@ __attribute__((target("avx2,fma"))) void decode_group_avx2(const Problem<WBits>&
       two_chunks_avx2<WBits, Planes>(blk, q2, w8);
       for (int c = 0; c < 2; ++c) {  // chunk q2 + c: code pairs in w8[2c] and w8[2c + 1]
         if constexpr (Int8) {  // each column's 4 codes in one 32-bit lane, in ColumnOrder
-          const __m256i h[2] = {_mm256_unpacklo_epi16(w8[2 * c], w8[2 * c + 1]),
-                                _mm256_unpackhi_epi16(w8[2 * c], w8[2 * c + 1])};
+          const __m256i h[2] = {Four ? w8[2 * c] : _mm256_unpacklo_epi16(w8[2 * c], w8[2 * c + 1]),
+                                Four ? w8[2 * c + 1] : _mm256_unpackhi_epi16(w8[2 * c], w8[2 * c + 1])};
           int8_t* at = t.codes + (b * kChunks + q2 + c) * kChunkBytes8;
           for (int i = 0; i < 2; ++i) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(at + 32 * i), h[i]);
@@ -585,7 +673,7 @@ constexpr auto gemm_by_rows_avx2(std::index_sequence<Rows...>) {
 
 // One task of the AVX2 many-row path: column group `index`, tile by tile of K, every row in passes of up
 // to Avx2Tile::kRows (the rows split evenly), then the accumulators back from ColumnOrder into y.
-template <int WBits, bool Planes, bool Int8>
+template <int WBits, bool Planes, bool Int8, bool Four = false>
 __attribute__((target("avx2,fma"))) void gemm_group_avx2(void* user, size_t index) {
   const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
   constexpr int kRows = Avx2Tile<Int8>::kRows;
@@ -597,20 +685,16 @@ __attribute__((target("avx2,fma"))) void gemm_group_avx2(void* user, size_t inde
   const int64_t passes = (p.m + kRows - 1) / kRows;
   for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks2) {
     const int64_t count = std::min<int64_t>(kTileBlocks2, p.kb - b0);
-    decode_group_avx2<WBits, Planes, Int8>(p, g, b0, count, tile);
+    decode_group_avx2<WBits, Planes, Int8, Four>(p, g, b0, count, tile);
     for (int64_t i = 0, row = 0; i < passes; ++i) {
       const int64_t rows = (p.m - row) / (passes - i);
       passes_by_rows[rows - 1](p, tile, acc.data(), row, b0, count);
       row += rows;
     }
   }
-  for (int64_t r = 0; r < p.m; ++r) {
-    const __m256 a0 = _mm256_loadu_ps(&acc[r * kGroup]), a1 = _mm256_loadu_ps(&acc[r * kGroup + 8]);
-    alignas(32) float out[kGroup];  // back from ColumnOrder
-    _mm256_store_ps(out, _mm256_permute2f128_ps(a0, a1, 0x20));
-    _mm256_store_ps(out + 8, _mm256_permute2f128_ps(a0, a1, 0x31));
-    std::memcpy(p.y + r * p.n + g * kGroup, out, p.columns(g) * sizeof(float));
-  }
+  for (int64_t r = 0; r < p.m; ++r)
+    store_columns_avx2(_mm256_loadu_ps(&acc[r * kGroup]), _mm256_loadu_ps(&acc[r * kGroup + 8]), p.y + r * p.n + g * kGroup,
+                       p.columns(g));
 }
 
 // The AVX2 many-row task for these weights and activations.
@@ -618,6 +702,8 @@ template <int WBits>
 void (*gemm_avx2(Layout layout, int activation_bits))(void*, size_t) {
   if constexpr (WBits == 8)
     return gemm_group_avx2<8, false, false>;
+  else if (layout == kPlanes8)  // int8 activations only
+    return gemm_group_avx2<6, true, true, true>;
   else if (layout == kPlanes)
     return activation_bits == 8 ? gemm_group_avx2<6, true, true> : gemm_group_avx2<6, true, false>;
   else
@@ -821,15 +907,18 @@ void gemm_tile(void* user, size_t index) {
 }
 
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-enum class Path { kAvx512, kAvx2, kAvx2Planes };
+enum class Path { kAvx512, kAvx2, kAvx2Planes, kAvx2Int8 };
 template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
   if constexpr (P == Path::kAvx512)
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
+  else if constexpr (P == Path::kAvx2Int8)
+    return std::array<Kernel, sizeof...(Rows)>{group_avx2_int8<static_cast<int>(Rows + 1)>...};
   else
     return std::array<Kernel, sizeof...(Rows)>{group_avx2<WBits, static_cast<int>(Rows + 1), P == Path::kAvx2Planes>...};
 }
+
 #endif
 
 // One group of 16 columns, every row: in as few passes over its weights as the path's row limit
@@ -843,14 +932,16 @@ void tile(void* user, size_t index) {
 #ifdef MXSPD_X86
   static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
   static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
-  // MXINT8 has one layout: its planes kernels are the triples ones
+  // MXINT8 has one layout: its planes kernels are the triples ones (and planes8 is refused for it)
   static constexpr auto k256_planes =
       by_rows<WBits, WBits == 6 ? Path::kAvx2Planes : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+  static constexpr auto k256_planes8 =
+      by_rows<WBits, WBits == 6 ? Path::kAvx2Int8 : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
   if (kHasAvx512Vbmi && p.layout == kTriples) {
     per_pass = kRowGroup512;
     kernels = k512.data();
   } else if (kHasAvx2) {
-    kernels = p.layout == kPlanes ? k256_planes.data() : k256.data();
+    kernels = p.layout == kPlanes8 ? k256_planes8.data() : p.layout == kPlanes ? k256_planes.data() : k256.data();
   }
 #endif
   const int64_t passes = (p.m + per_pass - 1) / per_pass;
@@ -869,7 +960,7 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
                int64_t n, int64_t kb, int activation_bits, Layout layout) {
   thread_local Activations x;  // reused call after call by the thread that runs the op
   x.fill(a, m, k, kb, activation_bits == 8 ? 127.0f : 32767.0f);
-  Problem<WBits> p{x.q.data(), x.scale.data(), nullptr, static_cast<const uint8_t*>(w),
+  Problem<WBits> p{x.q.data(), x.scale.data(), nullptr, nullptr, static_cast<const uint8_t*>(w),
                    static_cast<const uint8_t*>(s), y, m, n, kb, layout};
   const auto groups = static_cast<size_t>((n + kGroup - 1) / kGroup);
 #ifdef MXSPD_X86
@@ -881,6 +972,10 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
       p.xu = x.biased.data();
     }
     return g_api.parallel_for(ctx, gemm_avx2<WBits>(layout, activation_bits), groups, &p);
+  }
+  if (kHasAvx2 && layout == kPlanes8) {
+    x.sign();
+    p.xn = x.signs.data();
   }
 #endif
   return g_api.parallel_for(ctx, tile<WBits>, groups, &p);
@@ -907,8 +1002,9 @@ OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* i
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
   if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  if (layout != kTriples && (layout != kPlanes || wbits != 6))
-    return g_api.error("MXMatMul: layout must be 0 (triples) or, with weight_bits 6, 1 (planes)");
+  if (layout != kTriples && (wbits != 6 || (layout != kPlanes && (layout != kPlanes8 || bits != 8))))
+    return g_api.error("MXMatMul: layout must be 0 (triples) or, with weight_bits 6, 1 (planes) or, with "
+                       "activation_bits 8 too, 2 (planes8)");
   *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon, static_cast<Layout>(layout)};
   return *out ? nullptr : g_api.error("MXMatMul: out of memory");
 }

@@ -24,7 +24,7 @@ import kernels
 from common.targets import TARGETS, session_options
 from compiler import build
 from compiler.mx_lowering import lower_model
-from kernels.layout import PLANES, TRIPLES, pack_columns, pack_int8_columns, pack_scales, unpack_columns
+from kernels.layout import PLANES, PLANES8, TRIPLES, pack_columns, pack_int8_columns, pack_scales, unpack_columns
 from quant import element_values, fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
@@ -79,8 +79,25 @@ def test_planes_layout_puts_each_code_where_the_avx2_path_reads_it():
         pair, half, i, r = got[96 * (q // 2):], o // 32, o % 32, 2 * (q % 2) + o // 32
         assert (pair[32 * (q % 2) + i] >> (4 * half)) & 15 == code & 15, (q, o)
         assert (pair[64 + i] >> (7 - 2 * r)) & 1 == (code >> 4) & 1 and (pair[64 + i] >> (6 - 2 * r)) & 1 == code >> 5
-    with pytest.raises(ValueError, match="unknown MXFP6 layout 2"):
-        pack_columns(codes, 2)
+    with pytest.raises(ValueError, match="unknown MXFP6 layout 3"):
+        pack_columns(codes, 3)
+
+
+def test_planes8_layout_puts_each_column_s_four_codes_in_one_32_bit_lane():
+    """Layout PLANES8: PLANES' bits, with chunk byte o holding code 4q + o % 4 of column 4 (o // 32) +
+    8 ((o % 32) // 16) + (o % 16) // 4: one column's 4 codes per 32-bit lane, columns 0-3 and 8-11 first."""
+    codes = np.random.default_rng(1).integers(0, 64, (70, 37)).astype(np.uint8)
+    planes8 = pack_columns(codes, PLANES8)
+    padded = np.zeros((96, 48), np.uint8)
+    padded[:70, :37] = codes
+    block = padded[32:64, 32:48].T  # group 2, block 1: [column, code]
+    got = planes8[2, 1]
+    for q, o in itertools.product(range(8), range(64)):
+        code = block[4 * (o // 32) + 8 * ((o % 32) // 16) + (o % 16) // 4, 4 * q + o % 4]
+        pair, half, i, r = got[96 * (q // 2):], o // 32, o % 32, 2 * (q % 2) + o // 32
+        assert (pair[32 * (q % 2) + i] >> (4 * half)) & 15 == code & 15, (q, o)
+        assert (pair[64 + i] >> (7 - 2 * r)) & 1 == (code >> 4) & 1 and (pair[64 + i] >> (6 - 2 * r)) & 1 == code >> 5
+    assert not np.array_equal(planes8, pack_columns(codes, PLANES))  # the same bits, another order
 
 
 def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list,
@@ -132,13 +149,11 @@ def random_mx(k: int, n: int, seed: int = 0, wbits: int = 6) -> tuple[np.ndarray
     return codes, rng.integers(118, 132, (-(-k // 32), n)).astype(np.uint8) - (6 if wbits == 8 else 0)
 
 
-WBITS = pytest.mark.parametrize("wbits", [6, 8], ids=["mxfp6", "mxint8"])
-
-
 @needs_library
-@pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (8, TRIPLES)],
-                         ids=["mxfp6-triples", "mxfp6-planes", "mxint8"])
-@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("wbits,layout,bits", [(6, TRIPLES, 16), (6, PLANES, 16), (8, TRIPLES, 16), (6, TRIPLES, 8),
+                                              (6, PLANES, 8), (6, PLANES8, 8), (8, TRIPLES, 8)],
+                         ids=["mxfp6-triples", "mxfp6-planes", "mxint8", "mxfp6-triples-int8", "mxfp6-planes-int8",
+                              "mxfp6-planes8-int8", "mxint8-int8"])
 @pytest.mark.parametrize("k,n", [(96, 40), (70, 19), (576, 192)])
 def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
     codes, exps = random_mx(k, n, wbits=wbits)
@@ -154,20 +169,21 @@ def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
 
 
 @needs_library
-@WBITS
-@pytest.mark.parametrize("bits", [16, 8])
-def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits, wbits):
+@pytest.mark.parametrize("wbits,layout,bits", [(6, TRIPLES, 16), (8, TRIPLES, 16), (6, TRIPLES, 8), (6, PLANES8, 8),
+                                              (8, TRIPLES, 8)],
+                         ids=["mxfp6", "mxint8", "mxfp6-int8", "mxfp6-planes8-int8", "mxint8-int8"])
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits, wbits, layout):
     """Calls of 1 to 9 rows, and of 64 (the many-row path), give each row the bits it gets alone."""
     codes, exps = random_mx(576, 200, seed=3, wbits=wbits)
     a = np.random.default_rng(4).standard_normal((64, 576)).astype(np.float32)
-    s = session(mx_matmul_model(codes, exps, bits, [None, 576]))
+    s = session(mx_matmul_model(codes, exps, bits, [None, 576], layout))
     full = s.run(None, {"a": a})[0]
     for m in (1, 2, 3, 4, 5, 8, 9, 13, 30):
         np.testing.assert_array_equal(s.run(None, {"a": a[:m]})[0], full[:m])
     np.testing.assert_array_equal(s.run(None, {"a": a[[7]]})[0], full[[7]])
-    one_thread = session(mx_matmul_model(codes, exps, bits, [None, 576]), threads=1)
+    one_thread = session(mx_matmul_model(codes, exps, bits, [None, 576], layout), threads=1)
     np.testing.assert_array_equal(one_thread.run(None, {"a": a})[0], full)
-    batched = session(mx_matmul_model(codes, exps, bits, [1, 64, 576])).run(None, {"a": a[None]})[0]
+    batched = session(mx_matmul_model(codes, exps, bits, [1, 64, 576], layout)).run(None, {"a": a[None]})[0]
     np.testing.assert_array_equal(batched[0], full)
 
 
@@ -187,21 +203,22 @@ ROW_COUNTS = [*range(1, 26), 48, 61]
 @needs_library
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
-    weight formats, MXFP6 in both layouts, both activation widths, every row count from 1 to 25 and two
+    weight formats, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
     beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 16 rows for MXFP6 and 32 for MXINT8
     the AVX-512 path decodes each weight once per call, 8 blocks of K at a time: K = 300 is a whole tile
     and a partial one), odd and even column counts, MXINT8's code
     -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
     AVX-512 VNNI and VBMI the first two runs take the same path.)"""
     rng = np.random.default_rng(6)
-    cases = [*itertools.product((6, 8), (16, 8)), (6, 16), (6, 8)]  # the last two: MXFP6 in layout PLANES
-    for i, (wbits, bits) in enumerate(cases):
-        codes, exps = random_mx(300, 33, seed=i % 4, wbits=wbits)  # 33 columns: pairs and an odd one
+    # (weight bits, activation bits, layout); the codes of case i % 4 (then MXFP6 in PLANES, and int8 in PLANES8)
+    cases = [*((w, a, TRIPLES) for w, a in itertools.product((6, 8), (16, 8))), (6, 16, PLANES), (6, 8, PLANES),
+             (6, 8, PLANES8)]
+    for i, (wbits, bits, layout) in enumerate(cases):
+        codes, exps = random_mx(300, 33, seed=i % 4 if i < 6 else 1, wbits=wbits)  # 33 columns: pairs and an odd one
         if wbits == 8:
             codes[5, 3] = -128
         exps[1, 7] = 255  # NaN scale: column 7's outputs are NaN
         exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
-        layout = PLANES if i >= 4 else TRIPLES
         onnx.save(mx_matmul_model(codes, exps, bits, [None, 300], layout), tmp_path / f"{i}.onnx")
     for rows in ROW_COUNTS:
         a = rng.standard_normal((rows, 300)).astype(np.float32)
@@ -210,13 +227,14 @@ def test_every_path_gives_the_same_bits(tmp_path):
         np.save(tmp_path / f"a{rows}.npy", a)
     code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
             "d = pathlib.Path(sys.argv[1]);"
-            "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(6)];"
+            "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(7)];"
             "[sys.stdout.buffer.write(x.run(None, {'a': np.load(d / f'a{r}.npy')})[0].tobytes())"
             f" for x in s for r in {ROW_COUNTS}]")
     outs = every_path(code, str(tmp_path))
     case = sum(ROW_COUNTS) * 33 * 4  # bytes per case
-    assert len(outs[0]) == 6 * case and outs[0] == outs[1] == outs[2]
-    assert outs[0][4 * case:] == outs[0][:2 * case]  # MXFP6 in either layout: the same bits
+    assert len(outs[0]) == 7 * case and outs[0] == outs[1] == outs[2]
+    assert outs[0][4 * case:6 * case] == outs[0][:2 * case]  # MXFP6 in any layout: the same bits
+    assert outs[0][6 * case:] == outs[0][case:2 * case]
     y = np.frombuffer(outs[0], np.float32)
     assert np.isnan(y).any() and np.isfinite(y).mean() > 0.9  # the NaN cases took effect, the rest did not
     tiny = np.abs(y[np.isfinite(y)])
@@ -224,18 +242,21 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 
 @needs_library
-@pytest.mark.parametrize("layout", [TRIPLES, PLANES], ids=["triples", "planes"])
+@pytest.mark.parametrize("layout", [TRIPLES, PLANES, PLANES8], ids=["triples", "planes", "planes8"])
 def test_the_largest_int8_products_are_exact_on_the_many_row_path(layout):
     """int8 activations at +-127 against MXFP6 weights at +-60 (their largest magnitudes, signs mixed):
     the AVX2 many-row path's biased vpmaddubsw pairs reach 2 x 255 x 60 = 30,600 and must not saturate
-    (2^15 - 1): a 32-row call gives each row the bits it gets alone (the one-row path's vpmaddwd sums), and
-    the exact products to float32 rounding (a saturated pair would be off by thousands of steps)."""
+    (2^15 - 1), nor PLANES8's one-row sums of two chunks' pairs (4 x 127 x 60 = 30,480 where a column's
+    weights and a row's activations share their signs: column 0 and row 0): a 32-row call gives each row
+    the bits it gets alone, and the exact products to float32 rounding (a saturated pair would be off by
+    thousands of steps)."""
     k, n = 64, 32
     rng = np.random.default_rng(9)
     codes = np.where(rng.random((k, n)) < 0.5, 31, 63).astype(np.uint8)  # +60 / -60 (8 x 7.5)
     exps = np.full((k // 32, n), 127, np.uint8)
     a = np.where(rng.random((32, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
     a[:, ::2] = 1.0
+    codes[:, 0], a[0] = 31, 1.0
     s = session(mx_matmul_model(codes, exps, 8, [None, k], layout))
     y = s.run(None, {"a": a})[0]
     np.testing.assert_array_equal(y, np.concatenate([s.run(None, {"a": a[[r]]})[0] for r in range(32)]))
@@ -244,9 +265,11 @@ def test_the_largest_int8_products_are_exact_on_the_many_row_path(layout):
 
 @needs_library
 def test_the_preferred_layout_is_the_one_the_chosen_path_decodes():
-    """TRIPLES only where the AVX-512 VBMI path runs (its byte permutes); PLANES for AVX2 and the rest."""
-    widest, avx2, portable = every_path("import kernels; print(kernels.preferred_mx_layout())")
-    assert avx2 == portable == f"{PLANES}\n".encode()
+    """TRIPLES only where the AVX-512 VBMI path runs (its byte permutes); PLANES for AVX2 and the rest, PLANES8
+    with int8 activations."""
+    widest, avx2, portable = every_path("import kernels; print(kernels.preferred_mx_layout(), "
+                                        "kernels.preferred_mx_layout(activation_bits=8))")
+    assert avx2 == portable == f"{PLANES} {PLANES8}\n".encode()
     if "avx512vbmi" not in open("/proc/cpuinfo").read():
         assert widest == avx2
 
@@ -279,8 +302,11 @@ def test_bad_shapes_are_refused_with_a_message():
         session(model)
     next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
     layout = next(a for a in model.graph.node[0].attribute if a.name == "layout")
-    layout.i = 2
+    layout.i = 3
     with pytest.raises(Exception, match="layout must be 0"):
+        session(model)
+    layout.i = PLANES8  # int8 activations only
+    with pytest.raises(Exception, match="with activation_bits 8 too, 2"):
         session(model)
     layout.i = PLANES
     session(model)
@@ -302,7 +328,8 @@ def test_native_lowering_runs_mxmatmul_on_the_mx_values(lowering, tmp_path):
     assert lower_model(model, lowering) == {WEIGHT: "fp6_e2m3"}
     assert [(n.op_type, n.domain) for n in model.graph.node] == [("MXMatMul", kernels.DOMAIN)]
     layout = next(a.i for a in model.graph.node[0].attribute if a.name == "layout")
-    assert layout == kernels.preferred_mx_layout()  # the weights in the layout this machine reads fastest
+    # the weights in the layout this machine reads fastest with these activations
+    assert layout == kernels.preferred_mx_layout(activation_bits=16 if lowering == "native" else 8)
     build._check_lowered(model, "decode", lowering, {WEIGHT: "fp6_e2m3"})
     x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
     y = ort.InferenceSession(model.SerializeToString(), session_options(),

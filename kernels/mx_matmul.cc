@@ -348,27 +348,36 @@ __attribute__((target("avx2,fma"))) inline void chunk_avx2(const uint8_t* chunk,
   }
 }
 
+// The magnitudes (8 x |value|, unsigned bytes) of a planes pair of chunks' 4 registers (register r: chunk
+// r / 2, positions 32 (r % 2) ..), and each one's sign flag at bit 7 of sign[r]: a register's magnitude is
+// its 4 low bits, or the table's for 16-31 where bit 4 is set; the plane's byte doubled moves the next
+// flag to bit 7, which is all a blend reads.
+__attribute__((target("avx2,fma"))) inline void plane_magnitudes_avx2(const uint8_t* pair, __m256i mag[4],
+                                                                     __m256i sign[4]) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+  const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
+  const __m256i low[4] = {_mm256_and_si256(first, low4), _mm256_and_si256(_mm256_srli_epi16(first, 4), low4),
+                          _mm256_and_si256(second, low4), _mm256_and_si256(_mm256_srli_epi16(second, 4), low4)};
+  const __m256i upper = _mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v));
+  __m256i flags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 64));
+  for (int r = 0; r < 4; ++r) {
+    mag[r] = _mm256_blendv_epi8(low[r], _mm256_shuffle_epi8(upper, low[r]), flags);
+    sign[r] = flags = _mm256_add_epi8(flags, flags);
+    flags = _mm256_add_epi8(flags, flags);
+  }
+}
+
 // The integer weights (int8) of chunks q and q + 1: code pairs 2q, 2q + 1 in w[0], w[1] (as chunk_avx2's lo,
-// hi), then chunk q + 1's in w[2], w[3]. Planes: a register's magnitude is its 4 low bits, or the table's
-// for 16-31 where bit 4 is set, negated where bit 5 is; the plane's byte doubled moves the next flag to
-// bit 7, which is all a blend reads (8 operations per 32 codes, the loads included, against 15).
+// hi), then chunk q + 1's in w[2], w[3]. Planes: the magnitudes, negated where the sign flag is set (8
+// operations per 32 codes, the loads included, against 15).
 template <int WBits, bool Planes>
 __attribute__((target("avx2,fma"))) inline void two_chunks_avx2(const uint8_t* block, int q, __m256i w[4]) {
   if constexpr (Planes) {
-    const uint8_t* pair = block + static_cast<unsigned>(q) / 2 * kPairBytes;  // q even: no signed-division fixup
-    const __m256i low4 = _mm256_set1_epi8(15);
-    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-    const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
-    const __m256i low[4] = {_mm256_and_si256(first, low4), _mm256_and_si256(_mm256_srli_epi16(first, 4), low4),
-                            _mm256_and_si256(second, low4), _mm256_and_si256(_mm256_srli_epi16(second, 4), low4)};
-    const __m256i upper = _mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v));
-    __m256i flags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 64));
-    for (int r = 0; r < 4; ++r) {
-      const __m256i mag = _mm256_blendv_epi8(low[r], _mm256_shuffle_epi8(upper, low[r]), flags);
-      flags = _mm256_add_epi8(flags, flags);
-      w[r] = _mm256_blendv_epi8(mag, _mm256_sub_epi8(_mm256_setzero_si256(), mag), flags);
-      flags = _mm256_add_epi8(flags, flags);
-    }
+    __m256i mag[4], sign[4];
+    plane_magnitudes_avx2(block + static_cast<unsigned>(q) / 2 * kPairBytes, mag, sign);  // q even: no fixup
+    for (int r = 0; r < 4; ++r)
+      w[r] = _mm256_blendv_epi8(mag[r], _mm256_sub_epi8(_mm256_setzero_si256(), mag[r]), sign[r]);
   } else {
     chunk_avx2<WBits>(block + q * kChunkBytes<WBits>, &w[0], &w[1]);
     chunk_avx2<WBits>(block + (q + 1) * kChunkBytes<WBits>, &w[2], &w[3]);
@@ -429,6 +438,20 @@ inline void prefetch_ahead(const uint8_t* block) {
     __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(block) + Ahead + line));
 }
 
+// A block's float step for rows row0 ..: acc = fma(float(block sum), ws * xs, acc), in ColumnOrder.
+template <int WBits, int Rows>
+__attribute__((target("avx2,fma"))) inline void block_step_avx2(const Problem<WBits>& p, int64_t g, int64_t b,
+                                                                int64_t row0, const __m256i sum[Rows][2],
+                                                                __m256 acc[Rows][2]) {
+  __m256 ws[2];
+  scales_avx2<WBits>(p.exponents(g, b), ws);
+  const float* xs = p.x_scale(row0, b);
+  for (int r = 0; r < Rows; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
+                                  acc[r][h]);
+}
+
 template <int WBits, int Rows, bool Planes>
 __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
@@ -460,13 +483,7 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
         }
       }
     }
-    __m256 ws[2];
-    scales_avx2<WBits>(p.exponents(g, b), ws);
-    const float* xs = p.x_scale(row0, b);
-    for (int r = 0; r < Rows; ++r)
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
-                                    acc[r][h]);
+    block_step_avx2<WBits, Rows>(p, g, b, row0, sum, acc);
   }
   for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
 }
@@ -483,8 +500,7 @@ template <int Rows>
 __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const __m256i upper = _mm256_load_si256(reinterpret_cast<const __m256i*>(kUpper.v));
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
     prefetch_ahead<6, 1024>(blk);
@@ -493,38 +509,23 @@ __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, in
     for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int q2 = 0; q2 < kChunks; q2 += 2) {
-      const uint8_t* pair = blk + static_cast<unsigned>(q2) / 2 * kPairBytes;
-      const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-      const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32));
-      const __m256i low[4] = {_mm256_and_si256(first, low4), _mm256_and_si256(_mm256_srli_epi16(first, 4), low4),
-                              _mm256_and_si256(second, low4), _mm256_and_si256(_mm256_srli_epi16(second, 4), low4)};
-      __m256i flags = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 64));
-      __m256i s16[Rows][2];
+      __m256i mag[4], sign[4], s16[Rows][2];
+      plane_magnitudes_avx2(blk + static_cast<unsigned>(q2) / 2 * kPairBytes, mag, sign);
       for (int reg = 0; reg < 4; ++reg) {  // chunk q2 + reg / 2, columns of ColumnOrder half reg % 2
-        const __m256i mag = _mm256_blendv_epi8(low[reg], _mm256_shuffle_epi8(upper, low[reg]), flags);
-        flags = _mm256_add_epi8(flags, flags);  // bit 7: the sign
-        const __m256i sign = flags;
-        flags = _mm256_add_epi8(flags, flags);
         const int q = q2 + reg / 2, h = reg % 2;
         for (int r = 0; r < Rows; ++r) {
           int32_t x4, n4;
           std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
           std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
-          const __m256i prod =
-              _mm256_maddubs_epi16(mag, _mm256_blendv_epi8(_mm256_set1_epi32(x4), _mm256_set1_epi32(n4), sign));
+          const __m256i prod = _mm256_maddubs_epi16(
+              mag[reg], _mm256_blendv_epi8(_mm256_set1_epi32(x4), _mm256_set1_epi32(n4), sign[reg]));
           s16[r][h] = reg < 2 ? prod : _mm256_add_epi16(s16[r][h], prod);
         }
       }
       for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(s16[r][h], ones));
     }
-    __m256 ws[2];
-    scales_avx2<6>(p.exponents(g, b), ws);
-    const float* xs = p.x_scale(row0, b);
-    for (int r = 0; r < Rows; ++r)
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(ws[h], _mm256_set1_ps(xs[r])),
-                                    acc[r][h]);
+    block_step_avx2<6, Rows>(p, g, b, row0, sum, acc);
   }
   for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
 }

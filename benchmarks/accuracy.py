@@ -1,19 +1,21 @@
 """What MXFP6 costs in accuracy: held-out perplexity and top-1 agreement with the unquantized TLM.
 
     python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics|os:licences]
+                                  [--window N]
                                   [--configs ...] [--instructions 100] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0]
                                   [--out reports]
 
 Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice (rounded
-with error feedback where the recipe names a calibration text, `+nearest` to nearest), and
-scores held-out text (the standard-library modules the default pair never saw, --text FILE,
-pydoc:topics: the Python reference's topic pages that CPython ships, or os:licences: the licence texts
-the operating system ships, but the calibration's) teacher-forced through the
-compiled graphs, in windows of the context length. Peers (onnxruntime-genai's builds, llama.cpp's
+with error feedback where the recipe names a calibration text, `+nearest` to nearest), and scores held-
+out text (the standard-library modules the default pair never saw, --text FILE, pydoc:topics: the Python
+reference's topic pages that CPython ships, or os:licences: the licence texts the operating system
+ships, but the calibration's) teacher-forced through the compiled graphs, in windows of --window
+positions (the builds' context length; by default the recipe's, at most 512, so that figures stay
+comparable whatever context a recipe deploys with). Peers (onnxruntime-genai's builds, llama.cpp's
 formats of the recipe's GGUF) score the same windows in the same chunks, each also against its own
-float32. Each build's greedy answers to the recipe's prompts (and to --instructions generated ones)
-are compared with float32's. Writes OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's): perplexity
-<= 1.01x the float32 perplexity, judged on the recipe's TLM as shipped where that build is among the
+float32. Each build's greedy answers to the recipe's prompts (and to --instructions generated ones) are
+compared with float32's. Writes OUT/RECIPE/accuracy.{json,md}. The gate (QEfficient's): perplexity <=
+1.01x the float32 perplexity, judged on the recipe's TLM as shipped where that build is among the
 configs, else on exact MXFP6 in the recipe's format (fp6_e2m3 if it names none) and exponent choice.
 Each ratio comes with a 95% batch-means interval over blocks of BLOCK tokens (benchmarks.intervals):
 one text's ratio carries a term that another stretch of text would change, and where the interval
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +87,19 @@ def with_int8(fragment_lists: list[str]) -> dict[str, tuple]:
                                                               (HEAD8 if selects_head(tuple(f.split(","))) else PLAIN)
                                                               | {"mx_int8": tuple(f.split(","))})
                       for f in fragment_lists}
+
+
+WINDOW = 512  # positions per scored window at most, by default (the default recipe's context until 2026-11-29)
+
+
+def scoring_recipe(recipe, window: int | None = None):
+    """The recipe with a context of `window` positions (default: its own, at most WINDOW): the windows text is
+    scored in, whatever context the recipe deploys with."""
+    window = window or min(recipe.context_length, WINDOW)
+    if window < 2:
+        raise ValueError("--window must be at least 2")
+    return replace(recipe, context_length=window, kv_slots=0, prefill_chunk=min(recipe.prefill_chunk, window),
+                   max_prompt_length=min(recipe.max_prompt_length, window - 1))
 
 
 def config_recipe(recipe, config: tuple):
@@ -264,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         "topic pages CPython ships); or os:licences (every licence text in /usr/share/common-licenses "
                         "but the calibration's Apache-2.0); default: held-out stdlib modules")
     parser.add_argument("--out", type=Path, default=Path("reports"))
+    parser.add_argument("--window", type=int, help="positions per scored window, the builds' context (default: the "
+                        "recipe's context, at most 512)")
     parser.add_argument("--answer-tokens", type=int, default=48, help="new tokens of each greedy answer compared")
     parser.add_argument("--instructions", type=int, default=0, help="also compare greedy answers to this many "
                         "generated instructions (the last of recipes.ngram_draft's; calibration texts use the first)")
@@ -281,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen += [c for c in configs if c not in CONFIGS]
     if unknown := sorted(set(chosen) - set(configs)):
         parser.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    recipe = get_recipe(args.recipe)
+    try:
+        recipe = scoring_recipe(get_recipe(args.recipe), args.window)
+    except ValueError as exc:
+        parser.error(str(exc))
     out_dir = args.out / recipe.name
     rows, base_top1, base_nll, tokens, base_answers = [], None, None, None, None
     prompts = list(recipe.prompts)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import CONFIGS, config_artifact, held_out_tokens, with_int8
+from benchmarks.accuracy import CONFIGS, config_artifact, held_out_tokens, scoring_recipe, with_int8
 from recipes import DEFAULT_RECIPE, get_recipe
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen += [c for c in configs if c not in CONFIGS]
     if unknown := sorted(set(chosen) - set(configs)):
         ap.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
-    recipe = get_recipe(args.recipe)
+    recipe = scoring_recipe(get_recipe(args.recipe))
     out_dir = args.out / recipe.name
     base = runtime.load_artifact(config_artifact(recipe, "fp32", CONFIGS["fp32"], out_dir))
     arts = {name: runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir)) for name in chosen}

@@ -14,8 +14,8 @@ stream's usage chunk, over wall time), its ratio to one client's, p50/p99 time t
 per-token latency, and how many outputs equal the same prompt's output run alone before the timed runs.
 
 `--chat`: multi-turn chat with the prefix cache on and off (two servers, one after the other): a
-conversation of `--turns` turns after a shared 222-token system prompt (SmolLM2's tokenizer; the
-default recipe's max_prompt_length of 384 leaves no room for 300 and four turns), each turn resending the
+conversation of `--turns` turns after a shared 222-token system prompt (SmolLM2's tokenizer;
+sized for the default recipe's former 384-token prompts), each turn resending the
 whole conversation (as chat clients do), `--rounds` conversations with different questions. Prints
 each turn's median TTFT with the cache on and off, their ratio, and whether every answer is equal.
 """

@@ -53,9 +53,11 @@ ALL_INT8 = {"mx_int8": ("proj",), "mx_lm_head": "int8"}  # every decoder linear 
 SENSITIVE8 = {"mx_int8": ("self_attn", "down_proj", "layers.29."), "mx_lm_head": "int8"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
-KV16 = {"kv_cache": "float16"}  # a float16 KV cache (a recipe key)
+KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)
+TARGET_KV = {"kv_cache": ""}  # the target's own KV cache: the reference's float32 on the CPU, whatever the recipe's
+# Every other config keeps the recipe's cache (the default recipe's is float16): the recipe as shipped.
 CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM settings)
-    "fp32": (None, "exact", "spec", {}),
+    "fp32": (None, "exact", "spec", TARGET_KV),
     "fp6_e2m3 exact spec": ("fp6_e2m3", "exact", "spec", PLAIN),
     "fp6_e2m3 exact min_error": ("fp6_e2m3", "exact", "min_error", PLAIN),
     "fp6_e2m3 fused min_error": ("fp6_e2m3", "fused", "min_error", PLAIN),
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         fmt = configs[name][0]
         art = runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir))
-        shipped = config_recipe(recipe, configs[name]).tlm == recipe.tlm
+        built = config_recipe(recipe, configs[name])
+        shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
         if tokens is None:
             tokens = held_out_tokens(art, args.text, args.tokens)
         nll, top1 = score(art, tokens)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, KV16, PLAIN, SENSITIVE8, score
+from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, KV16, KV32, PLAIN, SENSITIVE8, TARGET_KV, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, small_pages_copy, variant, with_settings
@@ -44,7 +44,7 @@ from recipes import DEFAULT_RECIPE, get_recipe
 from runtime.request import encode_prompt
 
 ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
-    "fp32": (None, "exact", {}),
+    "fp32": (None, "exact", TARGET_KV),  # the reference: float32 weights and the target's float32 cache
     "mxfp6": ("fp6_e2m3", "native", {}),  # the recipe's own MX settings (a plain one: head and table MXINT8)
     "mxfp6_fused": ("fp6_e2m3", "fused", PLAIN),
     "mxfp6_native": ("fp6_e2m3", "native", PLAIN),
@@ -55,7 +55,8 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
     "mxfp6_native_sensitive8": ("fp6_e2m3", "native", SENSITIVE8),
     "mxint8_native": ("fp6_e2m3", "native", ALL_INT8),
-    "mxfp6_kv16": ("fp6_e2m3", "native", KV16),  # the recipe's own, with a float16 KV cache
+    "mxfp6_kv16": ("fp6_e2m3", "native", KV16),  # the recipe's own, with a float16 KV cache (the default's own)
+    "mxfp6_kv32": ("fp6_e2m3", "native", KV32),  # the recipe's own, with a float32 KV cache
 }
 
 

@@ -252,9 +252,11 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
     lowering = effective_lowering(lowering, target) if quant else None
     invariant = effective_invariance(invariant, target)
     half_kv = kv_cache == "float16" and not target.float16
-    if half_kv and not invariant:
-        raise ValueError('kv_cache = "float16" on the CPU needs mxspd\'s attention kernels (their library built at '
-                         'install, and batch_invariant on); set kv_cache = "float32", or reinstall with a C++ compiler')
+    if half_kv and not invariant:  # as the native lowering falls back to fused: said aloud, not refused
+        warnings.warn('kv_cache = "float16" on the CPU needs mxspd\'s attention kernels (their library built at '
+                      'install, and batch_invariant on): this artifact\'s KV cache is float32 (twice the memory)',
+                      stacklevel=2)
+        half_kv = False
 
     def optimized(work: Path, lowered_graphs: dict[str, tuple]) -> Iterator[tuple[str, Path]]:
         """Each lowered graph optimised in turn; its optimised copy goes once it is merged."""

@@ -17,7 +17,7 @@ import functools
 import importlib.machinery
 from pathlib import Path
 
-from kernels.layout import PLANES, PLANES8, TRIPLES
+from kernels.layout import TRIPLES
 
 DOMAIN = "ai.mxspd"
 MX_MATMUL = "MXMatMul"
@@ -81,13 +81,16 @@ def require_cuda_library() -> Path:
 @functools.cache
 def preferred_mx_layout(path: Path | None = None, activation_bits: int = 16) -> int:
     """The MXFP6 weight layout (kernels.layout.TRIPLES, PLANES or PLANES8) that the library at `path` (default:
-    this installation's) multiplies fastest on this CPU with these activations: PLANES8 where PLANES would be,
-    with int8 activations (the AVX2 path's vpmaddubsw loop reads it); TRIPLES from a library older than the
-    choice."""
+    this installation's) multiplies fastest on this CPU with activations of `activation_bits`; from a library
+    older than PLANES8 its choice for int16 (which it can run with either), and TRIPLES from one older than
+    the choice."""
     library = ctypes.CDLL(str(path or require_library()))
+    ask_for = getattr(library, "mxspd_mx_preferred_layout_for", None)
+    if ask_for is not None:
+        ask_for.restype, ask_for.argtypes = ctypes.c_int64, [ctypes.c_int64]
+        return int(ask_for(activation_bits))
     ask = getattr(library, "mxspd_mx_preferred_layout", None)
     if ask is None:
         return TRIPLES
     ask.restype = ctypes.c_int64
-    layout = int(ask())
-    return PLANES8 if layout == PLANES and activation_bits == 8 else layout
+    return int(ask())

@@ -1048,11 +1048,12 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
 
 }  // namespace
 
-// The MXFP6 layout this machine multiplies fastest (the compiler writes weights in it): triples where the
-// AVX-512 path runs, planes elsewhere.
-int64_t mx_preferred_layout() {
+// The MXFP6 layout this machine multiplies fastest with these activations (the compiler writes weights in
+// it): triples where the AVX-512 path runs, planes elsewhere (planes8 with int8 activations on AVX2).
+int64_t mx_preferred_layout(int64_t activation_bits) {
 #ifdef MXSPD_X86
   if (kHasAvx512Vbmi) return kTriples;
+  if (kHasAvx2 && activation_bits == 8) return kPlanes8;
 #endif
   return kPlanes;
 }

@@ -250,7 +250,7 @@ inline const bool kHasAvx512Vbmi = kHasAvx512 && __builtin_cpu_supports("avx512v
 // The ops, one per source file.
 const OrtCustomOp* mx_matmul_op();
 const OrtCustomOp* mx_matmul_gpu_op();
-int64_t mx_preferred_layout();
+int64_t mx_preferred_layout(int64_t activation_bits);
 const OrtCustomOp* row_matmul_op();
 const OrtCustomOp* attention_op();
 const OrtCustomOp* rotary_attention_op();

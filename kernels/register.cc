@@ -1,6 +1,8 @@
 // The library's entry point: ONNX Runtime's SessionOptions.register_custom_ops_library(path) calls
 // RegisterCustomOps, which adds the ai.mxspd domain with every op of this library. The compiler asks
-// mxspd_mx_preferred_layout (by ctypes) which MXFP6 weight layout to write (kernels/mx_matmul.cc).
+// mxspd_mx_preferred_layout_for (by ctypes) which MXFP6 weight layout to write for activations of that many
+// bits (kernels/mx_matmul.cc); mxspd_mx_preferred_layout, for int16 activations, is what libraries before
+// layout planes8 answered.
 
 #include <mutex>
 
@@ -27,4 +29,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   return g_api.fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
-extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout() { return mx_preferred_layout(); }
+extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout() { return mx_preferred_layout(16); }
+extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout_for(int64_t activation_bits) {
+  return mx_preferred_layout(activation_bits);
+}

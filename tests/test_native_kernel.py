@@ -73,14 +73,19 @@ def test_planes_layout_puts_each_code_where_the_avx2_path_reads_it():
     by_chunk = np.zeros((48, 96), np.uint8)
     by_chunk[:37, :70] = chunks.T
     block = by_chunk.reshape(3, 16, 3, 32).transpose(0, 2, 1, 3)[2, 1]  # group 2, block 1: [column, code]
-    got = planes[2, 1]
+    assert_planes(planes[2, 1], lambda q, o: block[(o % 32) // 2, 4 * q + 2 * (o // 32) + o % 2])
+    with pytest.raises(ValueError, match="unknown MXFP6 layout 3"):
+        pack_columns(codes, 3)
+
+
+def assert_planes(got: np.ndarray, code_at) -> None:
+    """A planes block's bits: chunk q's byte o holds code_at(q, o) (its low nibble in the pair's nibbles, its
+    bits 4 and 5 in the pair's plane)."""
     for q, o in itertools.product(range(8), range(64)):
-        code = block[(o % 32) // 2, 4 * q + 2 * (o // 32) + o % 2]
+        code = code_at(q, o)
         pair, half, i, r = got[96 * (q // 2):], o // 32, o % 32, 2 * (q % 2) + o // 32
         assert (pair[32 * (q % 2) + i] >> (4 * half)) & 15 == code & 15, (q, o)
         assert (pair[64 + i] >> (7 - 2 * r)) & 1 == (code >> 4) & 1 and (pair[64 + i] >> (6 - 2 * r)) & 1 == code >> 5
-    with pytest.raises(ValueError, match="unknown MXFP6 layout 3"):
-        pack_columns(codes, 3)
 
 
 def test_planes8_layout_puts_each_column_s_four_codes_in_one_32_bit_lane():
@@ -91,12 +96,8 @@ def test_planes8_layout_puts_each_column_s_four_codes_in_one_32_bit_lane():
     padded = np.zeros((96, 48), np.uint8)
     padded[:70, :37] = codes
     block = padded[32:64, 32:48].T  # group 2, block 1: [column, code]
-    got = planes8[2, 1]
-    for q, o in itertools.product(range(8), range(64)):
-        code = block[4 * (o // 32) + 8 * ((o % 32) // 16) + (o % 16) // 4, 4 * q + o % 4]
-        pair, half, i, r = got[96 * (q // 2):], o // 32, o % 32, 2 * (q % 2) + o // 32
-        assert (pair[32 * (q % 2) + i] >> (4 * half)) & 15 == code & 15, (q, o)
-        assert (pair[64 + i] >> (7 - 2 * r)) & 1 == (code >> 4) & 1 and (pair[64 + i] >> (6 - 2 * r)) & 1 == code >> 5
+    assert_planes(planes8[2, 1],
+                  lambda q, o: block[4 * (o // 32) + 8 * ((o % 32) // 16) + (o % 16) // 4, 4 * q + o % 4])
     assert not np.array_equal(planes8, pack_columns(codes, PLANES))  # the same bits, another order
 
 
@@ -266,12 +267,25 @@ def test_the_largest_int8_products_are_exact_on_the_many_row_path(layout):
 @needs_library
 def test_the_preferred_layout_is_the_one_the_chosen_path_decodes():
     """TRIPLES only where the AVX-512 VBMI path runs (its byte permutes); PLANES for AVX2 and the rest, PLANES8
-    with int8 activations."""
+    with int8 activations on AVX2 (its vpmaddubsw loop)."""
     widest, avx2, portable = every_path("import kernels; print(kernels.preferred_mx_layout(), "
                                         "kernels.preferred_mx_layout(activation_bits=8))")
-    assert avx2 == portable == f"{PLANES} {PLANES8}\n".encode()
+    assert avx2 == f"{PLANES} {PLANES8}\n".encode() and portable == f"{PLANES} {PLANES}\n".encode()
     if "avx512vbmi" not in open("/proc/cpuinfo").read():
         assert widest == avx2
+
+
+def test_a_library_older_than_planes8_gets_its_own_choice(monkeypatch, tmp_path):
+    """A library that only answers for int16 (before PLANES8) is asked that, whatever the activations: it
+    cannot read PLANES8 (matmul_rows --baseline OLD.so); one older still gets TRIPLES."""
+    class Old:
+        def __init__(self, answers: bool) -> None:
+            if answers:
+                self.mxspd_mx_preferred_layout = lambda: PLANES
+
+    for answers, want in ((True, PLANES), (False, TRIPLES)):
+        monkeypatch.setattr(kernels.ctypes, "CDLL", lambda path, a=answers: Old(a))
+        assert kernels.preferred_mx_layout(tmp_path / f"old{answers}.so", activation_bits=8) == want
 
 
 PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar
@@ -305,9 +319,15 @@ def test_bad_shapes_are_refused_with_a_message():
     layout.i = 3
     with pytest.raises(Exception, match="layout must be 0"):
         session(model)
-    layout.i = PLANES8  # int8 activations only
+    layout.i = PLANES8  # int8 activations and MXFP6 only
     with pytest.raises(Exception, match="with activation_bits 8 too, 2"):
         session(model)
+    bits.i = 8
+    session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 8
+    with pytest.raises(Exception, match="with activation_bits 8 too, 2"):
+        session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i, bits.i = 6, 16
     layout.i = PLANES
     session(model)
     next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 8  # MXINT8 has one layout

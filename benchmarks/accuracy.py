@@ -51,6 +51,9 @@ ALL_INT8 = {"mx_int8": ("proj",), "mx_lm_head": "int8"}  # every decoder linear 
 # The tensors that cost SmolLM2 most agreement in MXFP6 (docs/formats.md), in MXINT8: attention, the MLP's
 # down projection, the last layer and the head.
 SENSITIVE8 = {"mx_int8": ("self_attn", "down_proj", "layers.29."), "mx_lm_head": "int8"}
+# At four bits, the tensors llama.cpp's Q4_K_M keeps finer (attention's value and the MLP's down projections), in
+# MXINT8, and the head.
+V_DOWN8 = {"mx_int8": ("v_proj", "down_proj"), "mx_lm_head": "int8"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)
@@ -74,6 +77,10 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp6_e2m3 native min_error +sensitive8 +float_embedding": ("fp6_e2m3", "native", "min_error",
                                                                SENSITIVE8 | FLOAT_EMBEDDING),
     "fp6_e3m2 exact min_error": ("fp6_e3m2", "exact", "min_error", PLAIN),
+    "fp4_e2m1 exact min_error": ("fp4_e2m1", "exact", "min_error", PLAIN),
+    "fp4_e2m1 native min_error +head8": ("fp4_e2m1", "native", "min_error", HEAD8),
+    "fp4_e2m1 native min_error +v_down8": ("fp4_e2m1", "native", "min_error", V_DOWN8),
+    "fp4_e2m1 native min_error +sensitive8": ("fp4_e2m1", "native", "min_error", SENSITIVE8),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01

@@ -10,8 +10,8 @@ would cost one step. This times the kernels alone, on a stack of 1024 x 8192 wei
 weights prepacked by the session), mxspd's RowMatMul (`float32 row`: the batch-invariant float32 op
 that compiled float32 graphs run, kernels/row_matmul.cc) and the fused MXFP6 kernel (MatMulNBits bits=8, block 32,
 accuracy_level 4, as compiler/mx_lowering.py emits it) and mxspd's own MXMatMul (kernels/mx_matmul.cc:
-MXFP6 with int16 or int8 activations, MXINT8). Whatever a whole graph adds on top (attention, per-row
-elementwise ops) comes on top of these ratios.
+MXFP6 with int16 or int8 activations, MXINT8, MXFP4 with int8 activations). Whatever a whole graph adds
+on top (attention, per-row elementwise ops) comes on top of these ratios.
 
 `--baseline OTHER.so` (another build of mxspd's kernel library) times the library's kinds with both
 libraries in one process, alternated call batch by call batch, checks that they give the same bits,
@@ -39,13 +39,22 @@ from onnx import TensorProto, helper, numpy_helper
 from common.targets import session_options, spin_within_calls
 from compiler.mx_lowering import ACCURACY_LEVEL, BLOCK
 from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL, preferred_mx_layout, require_library
-from kernels.layout import BLOCK_BYTES, GROUP, TRIPLES, pack_columns, pack_int8_columns, pack_panels
+from kernels.layout import (
+    BLOCK_BYTES,
+    GROUP,
+    PLANES8,
+    TRIPLES,
+    pack_columns,
+    pack_fp4_columns,
+    pack_int8_columns,
+    pack_panels,
+)
 
 K, N = 1024, 8192
 ROWS = "1,2,3,5,9"
-KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native")
+KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native", "mxfp4 native")
 # The MX kinds of mxspd's kernel library: (weight bits, activation bits).
-NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16)}
+NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16), "mxfp4 native": (4, 8)}
 LIBRARY_KINDS = {*NATIVE, "float32 row"}  # run by mxspd's kernel library (RowMatMul: the float32 graphs' op)
 
 
@@ -65,12 +74,14 @@ def stack(kind: str, layers: int, n: int = N, layout: int = TRIPLES, k: int = K)
         elif kind in NATIVE:
             wbits, abits = NATIVE[kind]
             codes = (pack_columns(rng.integers(0, 64, size=(k, n), dtype=np.uint8), layout) if wbits == 6
+                     else pack_fp4_columns(rng.integers(0, 16, size=(k, n), dtype=np.uint8)) if wbits == 4
                      else pack_int8_columns(rng.integers(-127, 128, size=(k, n), dtype=np.int8)))
             exps = rng.integers(115, 125, size=(n // GROUP, k // BLOCK, GROUP), dtype=np.uint8)
             inits += [numpy_helper.from_array(codes, f"q{i}"), numpy_helper.from_array(exps, f"s{i}")]
             nodes.append(helper.make_node(MX_MATMUL, ["x", f"q{i}", f"s{i}"], [f"y{i}"], domain=DOMAIN, K=k, N=n,
                                           activation_bits=abits, weight_bits=wbits,
-                                          **({"layout": layout} if wbits == 6 else {})))
+                                          **({"layout": layout} if wbits == 6 else
+                                             {"layout": PLANES8} if wbits == 4 else {})))
         else:
             codes = rng.integers(0, 256, size=(n, k // BLOCK, BLOCK), dtype=np.uint8)
             scales = (rng.random((n, k // BLOCK)) * 0.01 + 0.001).astype(np.float32)

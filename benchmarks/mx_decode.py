@@ -57,6 +57,9 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxint8_native": ("fp6_e2m3", "native", ALL_INT8),
     "mxfp6_kv16": ("fp6_e2m3", "native", KV16),  # the recipe's own, with a float16 KV cache (the default's own)
     "mxfp6_kv32": ("fp6_e2m3", "native", KV32),  # the recipe's own, with a float32 KV cache
+    "mxfp6_native8_kv16": ("fp6_e2m3", "native8", KV16),  # the recipe's own, int8 activations, float16 cache
+    "mxfp4": ("fp4_e2m1", "native", {}),  # the recipe's own MX settings in MXFP4 (int8 activations)
+    "mxfp4_kv16": ("fp4_e2m1", "native", KV16),
 }
 
 

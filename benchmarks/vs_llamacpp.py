@@ -18,7 +18,8 @@ Hugging Face copy of the same GGUF (its builder reads float GGUFs only) and cach
 the last engine with each speculation method (`ours:ENGINE+METHOD`, the draft policy deciding each
 round); its text is compared with the same engine's autoregressive text (lossless). Ours are the
 recipe's TLM built as benchmarks.mx_decode's engines (with `--checkpoint`: a recipe of that folder
-alone, speculation off; `mxfp6` is what a recipe of plain `mx_format = "fp6_e2m3"` builds). Every system
+alone, speculation off; `mxfp6` is what a recipe of plain `mx_format = "fp6_e2m3"` builds, `mxfp4` the same
+in MXFP4; against Q4_K_M and Q4_0: `--formats Q4_K_M,Q4_0,Q6_K --engines mxfp4`). Every system
 gets the same prompt token ids (`--prompts long`: one chat-templated request for code with an
 explanation; `recipe`: the recipe's prompts one after another, each system's decode speed their tokens
 over their time; with `--checkpoint`: `--prompt-tokens` fixed pseudo-random ids), greedy, the same

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "float16")
-MX_FORMATS = ("fp6_e2m3", "fp6_e3m2")
-# How the compiler runs MX weights (compiler/mx_lowering.py): mxspd's 6-bit kernel with int16 or
-# int8 activations (falls back to `fused` where its library was not built), ONNX Runtime's
-# MatMulNBits on 8-bit codes, or float32 MatMul on the MXFP6 values.
+# MXFP6 E2M3 (6.25 bits per weight), MXFP6 E3M2 (exact lowering only), MXFP4 E2M1 (4.25 bits).
+MX_FORMATS = ("fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+# How the compiler runs MX weights (compiler/mx_lowering.py): mxspd's kernel with int16 or int8
+# activations (MXFP4 weights always take int8; falls back to `fused` where its library was not built),
+# ONNX Runtime's MatMulNBits on 8-bit codes, or float32 MatMul on the MX values.
 MX_LOWERINGS = ("native", "native8", "fused", "exact")
 # How the quantizer picks each MX block's shared exponent (quant.mx.SCALE_CHOICES; the encoding is
 # standard MX either way): the spec's rule, or whichever of it and the one above errs less.
@@ -273,6 +274,12 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         )
 
 
+def _validate_target_formats(spec: ModelSpec, where: str, target: str) -> None:
+    if spec.mx_format == "fp4_e2m1" and target == "ort-cuda" and spec.mx_lowering != "exact":
+        raise RecipeError(f"{where}: the ort-cuda target's MX kernel reads MXFP6 and MXINT8 only; use fp4_e2m1 on "
+                          "target ort-cpu, or mx_lowering = 'exact'")
+
+
 def validate(recipe: Recipe) -> Recipe:
     """Cross-field checks that a single type annotation cannot express."""
     _validate_model(recipe.tlm, "tlm")
@@ -280,6 +287,9 @@ def validate(recipe: Recipe) -> Recipe:
         _validate_model(recipe.dlm, "dlm")
     if recipe.target not in TARGETS:
         raise RecipeError(f"target: {recipe.target!r} is not one of {TARGETS}")
+    for spec, where in ((recipe.tlm, "tlm"), (recipe.dlm, "dlm")):
+        if spec is not None:
+            _validate_target_formats(spec, where, recipe.target)
     for key in ("k", "prefill_chunk", "context_length", "max_prompt_length", "max_new_tokens"):
         if getattr(recipe, key) < 1:
             raise RecipeError(f"{key}: must be >= 1, got {getattr(recipe, key)}")

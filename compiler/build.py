@@ -208,7 +208,7 @@ def effective_lowering(lowering: str, target: Target) -> str:
     if lowering not in NATIVE_ACTIVATION_BITS:
         return lowering
     if library_path() is None:
-        warnings.warn(f"MX lowering {lowering!r} (mxspd's native 6-bit kernel) is unavailable: its library was not "
+        warnings.warn(f"MX lowering {lowering!r} (mxspd's native MX kernel) is unavailable: its library was not "
                       "built at install (no C++ compiler?); falling back to 'fused' (MatMulNBits: 8-bit codes and a "
                       "scale per block of 32)", stacklevel=2)
         return "fused"
@@ -217,7 +217,7 @@ def effective_lowering(lowering: str, target: Target) -> str:
 
 def _check_lowered(graph: onnx.ModelProto, name: str, lowering: str, lowered: dict[str, str]) -> None:
     """Fused and native: every lowered weight must still run through its kernel, never full precision
-    silently. (Exact folds to the MXFP6 values themselves in float32 at build time.)"""
+    silently. (Exact folds to the MX values themselves in float32 at build time.)"""
     lost = []
     if lowering in KERNEL_OPS:
         domain, op, suffix = KERNEL_OPS[lowering]
@@ -306,9 +306,11 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
         bits = NATIVE_ACTIVATION_BITS.get(lowering)
         quant["kernel"] = {
             "fused": f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}",
-            "exact": "float32 MatMul on the MXFP6 values",
+            "exact": "float32 MatMul on the MX values",
             GPU_LOWERING: f"{NATIVE_DOMAIN}.{MX_MATMUL_GPU} (CUDA) 6-bit codes, float16 activations",
-        }.get(lowering) or f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32"
+        }.get(lowering) or (f"{NATIVE_DOMAIN}.{MX_MATMUL} 4-bit codes, activations int8 per block of 32"
+                            if quant.get("format") == "fp4_e2m1"
+                            else f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32")
     entry = ModelEntry(
         source=info["source"],
         model_type=info["model_type"],

@@ -1,23 +1,26 @@
-"""Lowers standard MX weights (FLOAT6 DequantizeLinear with E8M0 scales) to what ONNX Runtime runs.
+"""Lowers standard MX weights (FLOAT6 or FLOAT4 DequantizeLinear with E8M0 scales) to what ONNX Runtime runs.
 
-ONNX Runtime rejects FLOAT6 and E8M0, and a dequantization evaluated at every step is far too slow.
-Both lowerings keep the weights packed 6-bit on disk (6.25 bits per element with the scale byte)
-and put a small unpacking subgraph in front of them, made only of constants, which ONNX Runtime's
+ONNX Runtime rejects FLOAT6, FLOAT4 and E8M0, and a dequantization evaluated at every step is far too slow.
+The exact lowering keeps the codes packed 6-bit on disk (6.25 bits per element with the scale byte)
+and puts a small unpacking subgraph in front of them, made only of constants, which ONNX Runtime's
 constant folding evaluates once when a session loads (the compiler turns folding off while it
-optimises, so the artifact stays small). Then:
+optimises, so the artifact stays small); the kernel lowerings store what their kernel reads. Then:
 
-- `fused` (E2M3 only): every E2M3 value is a multiple of 1/8 in [-7.5, 7.5], so a block is exactly
-  an int8 block (8 * value, stored with zero point 128) with scale 2^(e-127) / 8: the MatMul becomes
+- `fused` (E2M3 and E2M1): every E2M3 value is a multiple of 1/8 in [-7.5, 7.5] (E2M1: of 1/2 in
+  [-6, 6]), so a block is exactly an int8 block (8 * value, or 2 * value, stored with zero point 128)
+  with scale 2^(e-127) / 8 (or / 2): the MatMul becomes
   `com.microsoft.MatMulNBits(bits=8, block_size=32)` and dequantization happens inside the kernel.
   accuracy_level 4 lets the kernel quantize each 32-element block of activations to int8 (the fast
   path on CPU); weights stay exact, activations lose up to half an int8 step per block.
-- `exact`: the unpacking yields the float32 weights themselves, exactly the MXFP6 values, and the
+- `exact`: the unpacking yields the float32 weights themselves, exactly the MX values, and the
   MatMul is left alone.
-- `native` / `native8` (E2M3 only): the MatMul becomes mxspd's own `ai.mxspd::MXMatMul`
+- `native` / `native8` (E2M3 and E2M1): the MatMul becomes mxspd's own `ai.mxspd::MXMatMul`
   (kernels/mx_matmul.cc), which keeps the weights 6-bit in memory (6.25 bits per weight read per
   token, against MatMulNBits' 9; in the layout the build machine's library decodes fastest,
   kernels.preferred_mx_layout) and rounds activations per block to int16 (`native`: within
-  1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). Every row
+  1/65534 of the block's largest, closer than float16) or int8 (`native8`, as `fused`). MXFP4 weights
+  (4.25 bits per weight in memory, weight_bits 4) always take int8 activations: their own rounding is
+  ~30x coarser than int8's, and the kernel multiplies bytes (kernels/mx_matmul.cc). Every row
   is computed alike whatever the call's rows. Needs the kernel library built at install
   (kernels.library_path()); the compiler falls back to `fused` with a warning without it.
 
@@ -51,14 +54,27 @@ from common.onnx_store import rewrite_graph, set_default_opset
 from common.recipe import MX_LOWERINGS
 from kernels import DOMAIN as NATIVE_DOMAIN
 from kernels import GPU_LOWERING, MX_MATMUL, MX_MATMUL_GPU, NATIVE_LOWERINGS, preferred_mx_layout
-from kernels.layout import pack_columns, pack_gpu, pack_gpu_scales, pack_int8_columns, pack_scales
-from quant import element_values, pack_fp6, unpack_fp6
+from kernels.layout import (
+    PLANES8,
+    pack_columns,
+    pack_fp4_columns,
+    pack_gpu,
+    pack_gpu_scales,
+    pack_int8_columns,
+    pack_scales,
+)
+from quant import element_values, pack_fp6, unpack_fp4, unpack_fp6
 
 NATIVE_ACTIVATION_BITS = dict(zip(NATIVE_LOWERINGS, (16, 8), strict=True))
 LOWERINGS = (*MX_LOWERINGS, GPU_LOWERING)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (levels 0-3 take a ~40x slower path here)
 MX_TYPES = {onnx.TensorProto.FLOAT6E2M3: "fp6_e2m3", onnx.TensorProto.FLOAT6E3M2: "fp6_e3m2",
+            onnx.TensorProto.FLOAT4E2M1: "fp4_e2m1",
             onnx.TensorProto.INT8: "int8"}  # DequantizeLinear data types with E8M0 scales: the MX weights
+# The formats whose values are integers times one power of two per block (fused, native), and that
+# integer step: value * step is an int8 (MXINT8's stored exponent already holds its 2^-6).
+INTEGER_STEPS = {"fp6_e2m3": 8, "fp4_e2m1": 2, "int8": 1}
+WEIGHT_BITS = {"fp6_e2m3": 6, "fp4_e2m1": 4, "int8": 8}  # MXMatMul's attribute weight_bits per format
 MS_DOMAIN = "com.microsoft"
 FUSED_SUFFIX = ".int8"  # the fused kernel's weight input: <weight>.int8
 NATIVE_SUFFIX = ".mx6"  # the native kernel's weight input: <weight>.mx6 (and its scales <weight>.e8m0)
@@ -195,39 +211,41 @@ def _lower_gathered(b: _Builder, name: str, load: Callable[[], tuple[np.ndarray,
                              b.const("mx.last_axis", np.array([-1]))], out)
 
 
-def _need_e2m3(name: str, fmt: str, lowering: str) -> None:
-    if fmt not in ("fp6_e2m3", "int8"):
+def _need_integers(name: str, fmt: str, lowering: str) -> None:
+    if fmt not in INTEGER_STEPS:
         raise LoweringError(
-            f"weight {name!r}: the {lowering} lowering needs fp6_e2m3 ({fmt} values are not int8 multiples of one "
-            "power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
+            f"weight {name!r}: the {lowering} lowering needs fp6_e2m3 or fp4_e2m1 ({fmt} values are not int8 "
+            "multiples of one power of two: 16 * 28 = 448); use mx_lowering = 'exact'"
         )
 
 
 def _lower_native(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callable[[], tuple[np.ndarray, np.ndarray]],
                   matmuls: list, activation_bits: int, layout: int) -> None:
     """MatMul -> ai.mxspd::MXMatMul(A, codes and E8M0 bytes in the kernel's layout, kernels/layout.py;
-    MXFP6 in `layout`, the one this machine's library multiplies fastest). `load()`: the [K, N]
-    codes and the E8M0 bytes."""
-    _need_e2m3(name, fmt, "native")  # either native lowering: the same weights, other activation bits
-    int8 = fmt == "int8"
-    weights = b.const(name + NATIVE_SUFFIX, lambda: pack_int8_columns(load()[0]) if int8
-                      else pack_columns(load()[0], layout))
+    MXFP6 in `layout`, the one this machine's library multiplies fastest; MXFP4 in its one layout, with
+    int8 activations). `load()`: the [K, N] codes and the E8M0 bytes."""
+    _need_integers(name, fmt, "native")  # either native lowering: the same weights, other activation bits
+    pack = {"int8": pack_int8_columns, "fp4_e2m1": pack_fp4_columns}.get(fmt, lambda c: pack_columns(c, layout))
+    weights = b.const(name + NATIVE_SUFFIX, lambda: pack(load()[0]))
     scales = b.const(name + NATIVE_SCALE_SUFFIX, lambda: pack_scales(load()[1]))
+    fp4 = fmt == "fp4_e2m1"
     for mm in matmuls:
         mm.op_type, mm.domain = MX_MATMUL, NATIVE_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
         mm.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
-                             helper.make_attribute("activation_bits", activation_bits),
-                             helper.make_attribute("weight_bits", 8 if int8 else 6)])
-        if not int8:
-            mm.attribute.append(helper.make_attribute("layout", layout))
+                             helper.make_attribute("activation_bits", 8 if fp4 else activation_bits),
+                             helper.make_attribute("weight_bits", WEIGHT_BITS[fmt])])
+        if fmt != "int8":
+            mm.attribute.append(helper.make_attribute("layout", PLANES8 if fp4 else layout))
 
 
 def _lower_gpu(b: _Builder, name: str, fmt: str, k: int, n: int, load: Callable[[], tuple[np.ndarray, np.ndarray]],
                matmuls: list) -> None:
     """MatMul -> ai.mxspd::MXMatMulGPU(A, codes and E8M0 bytes column by column, kernels/layout.pack_gpu)."""
-    _need_e2m3(name, fmt, GPU_LOWERING)
-    wbits = 8 if fmt == "int8" else 6
+    if fmt not in ("fp6_e2m3", "int8"):
+        raise LoweringError(f"weight {name!r}: the {GPU_LOWERING} lowering (the ort-cuda target's kernel) reads "
+                            f"fp6_e2m3 and MXINT8 only, not {fmt}; use mx_lowering = 'exact'")
+    wbits = WEIGHT_BITS[fmt]
     weights = b.const(name + GPU_SUFFIX, lambda: pack_gpu(load()[0], wbits))
     scales = b.const(name + ".e8m0gpu", lambda: pack_gpu_scales(load()[1]))
     for mm in matmuls:
@@ -244,7 +262,7 @@ def _by_column(fmt: str, codes: np.ndarray, kb: int) -> np.ndarray:
     if fmt == "int8":  # the codes themselves, with zero point 128 (the default for bits = 8)
         by_column[:, :k] = (codes.T.astype(np.int16) + 128).astype(np.uint8)
     else:
-        as_int8 = np.round(element_values(fmt) * 8).astype(np.int32)  # exact: multiples of 1/8
+        as_int8 = np.round(element_values(fmt) * INTEGER_STEPS[fmt]).astype(np.int32)  # exact: integer steps
         by_column[:, :k] = (as_int8 + 128).astype(np.uint8)[codes.T]
     return by_column.reshape(n, kb, BLOCK)
 
@@ -253,9 +271,9 @@ def _lower_fused(b: _Builder, name: str, fmt: str, k: int, n: int, kb: int,
                  load: Callable[[], tuple[np.ndarray, np.ndarray]], matmuls: list) -> None:
     """Computed here, tensor by tensor, not as a subgraph for ONNX Runtime to fold: folding every
     weight's unpacking at once held about 17 bytes per weight (5.6 GB for a 325M model)."""
-    _need_e2m3(name, fmt, "fused")
+    _need_integers(name, fmt, "fused")
     weights = b.const(name + FUSED_SUFFIX, lambda: _by_column(fmt, load()[0], kb))
-    scales = b.const(name + ".scale", lambda: _scale_table(1.0 if fmt == "int8" else 8.0)[load()[1].T.reshape(-1)])
+    scales = b.const(name + ".scale", lambda: _scale_table(INTEGER_STEPS[fmt])[load()[1].T.reshape(-1)])
     for mm in matmuls:
         mm.op_type, mm.domain = "MatMulNBits", MS_DOMAIN
         mm.input[:] = [mm.input[0], weights, scales]
@@ -354,7 +372,8 @@ def _codes(read: Read, data: onnx.TensorProto, scale: onnx.TensorProto, fmt: str
            ) -> tuple[np.ndarray, np.ndarray]:
     """A weight's [K, N] codes and its E8M0 exponent bytes, from its MX initializers."""
     raw = np.frombuffer(read(data), dtype=np.uint8)
-    codes = (raw.view(np.int8) if fmt == "int8" else unpack_fp6(raw, k * n)).reshape(k, n)
+    unpack = {"int8": lambda r, _: r.view(np.int8), "fp4_e2m1": unpack_fp4}.get(fmt, unpack_fp6)
+    codes = unpack(raw, k * n).reshape(k, n)
     return codes, np.frombuffer(read(scale), dtype=np.uint8).reshape(tuple(scale.dims))
 
 

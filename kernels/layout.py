@@ -13,8 +13,11 @@ bits (chunk 2p's 32 bytes, then chunk 2p + 1's; byte i holds position i in bits 
 32 + i of chunk 2p, then of chunk 2p + 1). Layout PLANES8 is PLANES with another chunk byte order, for
 int8 activations (vpmaddubsw's 4 codes per column and 32-bit lane): byte o of chunk q is code 4q + o % 4
 of column 4 (o // 32) + 8 ((o % 32) // 16) + (o % 16) // 4 (columns 0-3 and 8-11 in the first 32 bytes,
-4-7 and 12-15 in the second: the AVX2 path's column order). Scales (pack_scales): [G, KB, 16] E8M0
-bytes. Groups are contiguous, so a call streams each weight once, front to back.
+4-7 and 12-15 in the second: the AVX2 path's column order). MXFP4 (pack_fp4_columns, weight_bits 4,
+layout PLANES8's order) packs a chunk's 64 codes in 32 bytes: byte i holds position i in bits 0-3 and
+position 32 + i in bits 4-7 (each nibble's sign at bit 3: at bit 7 once the byte is doubled 4 times, or
+already there). Scales (pack_scales): [G, KB, 16] E8M0 bytes. Groups are contiguous, so a call streams
+each weight once, front to back.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import numpy as np
 BLOCK = 32
 GROUP = 16  # MXMatMul's output columns per group: packed weights concatenate along N in whole groups
 CHUNKS = 8
-BLOCK_BYTES = {6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
-TRIPLES, PLANES, PLANES8 = 0, 1, 2  # MXMatMul's attribute `layout` (MXFP6 only; PLANES8 with int8 activations)
+BLOCK_BYTES = {4: CHUNKS * 32, 6: CHUNKS * 48, 8: CHUNKS * 64}  # per group and block of 32: weight bits -> bytes
+# MXMatMul's attribute `layout`: MXFP6 in any, PLANES8 with int8 activations only; MXFP4 in PLANES8's order
+TRIPLES, PLANES, PLANES8 = 0, 1, 2
 PANEL = 64  # ai.mxspd::RowMatMul (row_matmul.cc): float32 weights in panels of 64 columns
 GPU_BLOCK_BYTES = {6: 24, 8: 32}  # ai.mxspd::MXMatMulGPU (mx_gpu_layout.h): bytes per column and block of 32
 
@@ -80,6 +84,13 @@ def _planes(chunks: np.ndarray) -> np.ndarray:
     plane = (((top & 1) << 1 | top >> 1) << shifts).sum(axis=-2, dtype=np.uint8)  # [.., pair, i]
     out = np.concatenate([nibbles.reshape(*nibbles.shape[:3], 64), plane], axis=-1)
     return np.ascontiguousarray(out.reshape(*chunks.shape[:2], BLOCK_BYTES[6]))
+
+
+def pack_fp4_columns(codes: np.ndarray) -> np.ndarray:
+    """FLOAT4 codes uint8 [K, N] -> uint8 [ceil(N/16), ceil(K/32), 256]: PLANES8's positions, two a byte."""
+    chunks = _chunks(codes, four=True)
+    packed = chunks[..., :32] | chunks[..., 32:] << 4
+    return np.ascontiguousarray(packed.reshape(*chunks.shape[:2], BLOCK_BYTES[4]))
 
 
 def pack_int8_columns(codes: np.ndarray) -> np.ndarray:

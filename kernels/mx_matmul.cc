@@ -35,12 +35,19 @@
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
-// 8 on AVX2, 32 on AVX-512) the AVX-512 and AVX2 paths decode each weight once per call and pass over it
+// 8 on AVX2, 32 on AVX-512; MXFP4: 8) the AVX-512 and AVX2 paths decode each weight once per call and pass over it
 // for every row (int8 activations with MXFP6 weights: vpmaddubsw on AVX2). All give the same bits
 // (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
+//
+// weight_bits = 4: MXFP4 E2M1 (integers 2 * value, |w| <= 12; 4.25 bits per weight), layout 2 (planes8's
+// positions) and int8 activations only: W uint8 [G, K/32, 256], chunk q's 32 bytes holding position i in
+// bits 0-3 of byte i and position 32 + i in bits 4-7. Few rows on AVX2: a 16-entry lookup gives the
+// magnitudes, each weight's sign moves onto its activation (as planes8), and a block's 8 chunks of pair
+// sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384) before one vpmaddwd; many rows: the tile decoded once
+// to signed bytes for the biased int8 pass loop. AVX-512 machines run these AVX2 loops.
 //
 // prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
 // node of its own (compiler/matmul_prologue.py):
@@ -68,7 +75,7 @@ namespace {
 constexpr int kBlock = 32, kGroup = 16, kChunks = 8;
 constexpr int kRowGroup = 6;  // rows per pass over the weights on the AVX2 and portable paths
 template <int WBits>
-constexpr int kChunkBytes = WBits == 8 ? 64 : 48;
+constexpr int kChunkBytes = WBits == 8 ? 64 : WBits == 6 ? 48 : 32;
 template <int WBits>
 constexpr int kGroupBlockBytes = kChunks * kChunkBytes<WBits>;
 
@@ -86,10 +93,26 @@ struct CodeTable {
 };
 const CodeTable kCodes;
 
+// 2 * value of every E2M1 code (bit 3: sign, bits 1-2: exponent, bit 0: mantissa) and its magnitude,
+// twice over: one 16-entry byte shuffle per 128-bit lane.
+struct Fp4Table {
+  alignas(32) int8_t weight[32];
+  alignas(32) uint8_t magnitude[32];
+  Fp4Table() {
+    for (int i = 0; i < 32; ++i) {
+      const int c = i % 16, e = (c >> 1) & 3, m = c & 1;
+      const int w = e == 0 ? m : (2 + m) << (e - 1);
+      weight[i] = static_cast<int8_t>(c & 8 ? -w : w);
+      magnitude[i] = static_cast<uint8_t>(w);
+    }
+  }
+};
+const Fp4Table kFp4;
+
 // 2^(e - 127 - shift): the block scale with the integer weights' step folded in (E2M3: 8 * value is
-// an integer, shift 3; MXINT8: S already holds the 2^-6, shift 0); 255 is NaN.
+// an integer, shift 3; E2M1: 2 * value, shift 1; MXINT8: S already holds the 2^-6, shift 0); 255 is NaN.
 template <int WBits>
-constexpr int kScaleShift = WBits == 8 ? 0 : 3;
+constexpr int kScaleShift = WBits == 8 ? 0 : WBits == 6 ? 3 : 1;
 struct ScaleTable {
   float v[256];
   explicit ScaleTable(int shift) {
@@ -97,9 +120,9 @@ struct ScaleTable {
     v[255] = NAN;
   }
 };
-const ScaleTable kScalesE2M3(kScaleShift<6>), kScalesInt8(kScaleShift<8>);
+const ScaleTable kScalesE2M3(kScaleShift<6>), kScalesInt8(kScaleShift<8>), kScalesE2M1(kScaleShift<4>);
 template <int WBits>
-const float* scales() { return WBits == 8 ? kScalesInt8.v : kScalesE2M3.v; }
+const float* scales() { return WBits == 8 ? kScalesInt8.v : WBits == 6 ? kScalesE2M3.v : kScalesE2M1.v; }
 
 // The 48 bits of an MXFP6 chunk's codes 8i..8i+7 (the portable path), by one 8-byte load inside the chunk.
 inline uint64_t eight_codes(const uint8_t* chunk, int i) {
@@ -133,6 +156,8 @@ int weight_at(const uint8_t* block, int q, int o, Layout layout) {
   const uint8_t* chunk = block + q * kChunkBytes<WBits>;
   if constexpr (WBits == 8)
     return static_cast<int8_t>(chunk[o]);
+  else if constexpr (WBits == 4)  // planes8's positions, two a byte
+    return kFp4.weight[(chunk[o % 32] >> (4 * (o / 32))) & 15];
   else if (layout != kTriples)  // planes and planes8: the same bits, another (column, code) per byte
     return kCodes.weight[plane_code(block, q, o)];
   else
@@ -245,7 +270,7 @@ struct Problem {
   const uint8_t* s;   // [G, KB, 16]
   float* y;           // [M, N]
   int64_t m, n, kb;
-  Layout layout;      // of MXFP6 weights
+  Layout layout;      // of MXFP6 weights (MXFP4: planes8's positions)
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
@@ -530,6 +555,47 @@ __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, in
   for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
 }
 
+// ---- AVX2, MXFP4 weights with int8 activations (one row to a few) -----------------------------------
+// A chunk's 32 bytes are its two registers' nibbles (positions i and 32 + i of planes8's order): one
+// 16-entry lookup per register gives the magnitudes (<= 12), and each nibble's sign bit, moved to bit 7
+// (the low nibble's by 4 doublings; the high nibble's is there), picks x or -x as planes8's loop does.
+// A block's 8 chunks' pair sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384: no saturation) before one
+// vpmaddwd by ones: the block's exact integer sums, the bits of every other path.
+template <int Rows>
+__attribute__((target("avx2,fma"))) void group_avx2_fp4(const Problem<4>& p, int64_t g, int64_t row0) {
+  __m256 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4.magnitude));
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const uint8_t* blk = p.block(g, b);
+    prefetch_ahead<4, 1024>(blk);
+    const int8_t* xb = p.x_signs(row0, b);  // row r's 32 activations at xb + 64 r, their negations 32 further
+    __m256i s16[Rows][2];
+    for (int r = 0; r < Rows; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int q = 0; q < kChunks; ++q) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q * kChunkBytes<4>));
+      const __m256i mag[2] = {_mm256_shuffle_epi8(table, _mm256_and_si256(v, low4)),
+                              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4))};
+      const __m256i sign[2] = {_mm256_slli_epi16(v, 4), v};
+      for (int r = 0; r < Rows; ++r) {
+        int32_t x4, n4;
+        std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
+        std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
+        const __m256i x = _mm256_set1_epi32(x4), n = _mm256_set1_epi32(n4);
+        for (int h = 0; h < 2; ++h)
+          s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(mag[h], _mm256_blendv_epi8(x, n, sign[h])));
+      }
+    }
+    __m256i sum[Rows][2];
+    for (int r = 0; r < Rows; ++r)
+      for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_madd_epi16(s16[r][h], ones);
+    block_step_avx2<4, Rows>(p, g, b, row0, sum, acc);
+  }
+  for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
+}
+
 // ---- AVX2, many rows (prefill, a server's batched step): each weight decoded once per call ---------
 // As the AVX-512 path below: a task takes a column group and walks K in tiles of kTileBlocks2 blocks,
 // decoded once (kept in L1) with their block scales, then passes over the tile for every few rows. The
@@ -544,7 +610,7 @@ __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, in
 //     (32), one vpmaddwd by ones and one add per 8 columns and 4 codes, less 128 times each column's
 //     code sum per block (found once per tile). |w| <= 60, so a pair of products stays below 2^15 (no
 //     saturation) and the sum is exact. 1.35-1.45x the int16 loop's rate on a Zen 3 (MXINT8's codes,
-//     up to 127, could saturate: they keep the int16 loop).
+//     up to 127, could saturate: they keep the int16 loop). MXFP4 (|w| <= 12) takes it too.
 
 constexpr int kTileBlocks2 = 8;   // K blocks decoded at a time: 1 KiB of int16 (or 512 B of int8) per block
 constexpr int kChunkShorts = 64;  // a chunk as int16: [pair 2q, pair 2q + 1] x [the two ColumnOrder halves] x 16
@@ -553,7 +619,7 @@ constexpr int kChunkBytes8 = 64;  // a chunk as int8: [the two ColumnOrder halve
 // shape (MXFP6 1.06-1.11x at 16 rows, 0.91-0.95x at 8; MXINT8, whose one-row kernel's chunks cost it more
 // passes of loads, 1.14-1.15x at 8 rows; docs/benchmarks.md).
 template <int WBits>
-constexpr int kGemmMinRows2 = WBits == 8 ? 8 : 16;
+constexpr int kGemmMinRows2 = WBits == 6 ? 16 : 8;
 
 // The integer step of a tile: int16 (Int8 false) or biased int8 activations (MXFP6 weights only).
 template <bool Int8>
@@ -565,11 +631,21 @@ struct Avx2Tile {
   alignas(32) int32_t bias[kTileBlocks2 * kGroup];  // Int8: 128 x each column's code sum, ColumnOrder
 };
 
-// Blocks b0 .. b0 + count - 1 of group g, decoded into t (Four: layout planes8, already in the tile's order).
+// A chunk's two registers of int8 weights (each column's 4 codes in a 32-bit lane, ColumnOrder) into the
+// tile at `at`, their codes added to each column's sums.
+__attribute__((target("avx2,fma"))) inline void keep_int8_avx2(const __m256i h[2], int8_t* at, __m256i sums[2]) {
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int i = 0; i < 2; ++i) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at + 32 * i), h[i]);
+    sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, h[i]), ones16));
+  }
+}
+
+// Blocks b0 .. b0 + count - 1 of group g, decoded into t (Four: layout planes8, already in the tile's order;
+// MXFP4 is in that order too: each register's nibbles through the signed lookup).
 template <int WBits, bool Planes, bool Int8, bool Four>
 __attribute__((target("avx2,fma"))) void decode_group_avx2(const Problem<WBits>& p, int64_t g, int64_t b0,
                                                            int64_t count, Avx2Tile<Int8>& t) {
-  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < count; ++b) {
     __m256 scale[2];
     scales_avx2<WBits>(p.exponents(g, b0 + b), scale);
@@ -578,26 +654,34 @@ __attribute__((target("avx2,fma"))) void decode_group_avx2(const Problem<WBits>&
     const uint8_t* blk = p.block(g, b0 + b);
     prefetch_ahead<WBits, 1024>(blk);
     __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    if constexpr (WBits == 4) {
+      static_assert(Int8, "MXFP4 takes int8 activations");
+      const __m256i low4 = _mm256_set1_epi8(15);
+      const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4.weight));
+      for (int q = 0; q < kChunks; ++q) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q * kChunkBytes<4>));
+        const __m256i h[2] = {_mm256_shuffle_epi8(table, _mm256_and_si256(v, low4)),
+                              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4))};
+        keep_int8_avx2(h, t.codes + (b * kChunks + q) * kChunkBytes8, sums);
+      }
+    } else {
 #pragma GCC unroll 4
-    for (int q2 = 0; q2 < kChunks; q2 += 2) {
-      __m256i w8[4];
-      two_chunks_avx2<WBits, Planes>(blk, q2, w8);
-      for (int c = 0; c < 2; ++c) {  // chunk q2 + c: code pairs in w8[2c] and w8[2c + 1]
-        if constexpr (Int8) {  // each column's 4 codes in one 32-bit lane, in ColumnOrder
-          const __m256i h[2] = {Four ? w8[2 * c] : _mm256_unpacklo_epi16(w8[2 * c], w8[2 * c + 1]),
-                                Four ? w8[2 * c + 1] : _mm256_unpackhi_epi16(w8[2 * c], w8[2 * c + 1])};
-          int8_t* at = t.codes + (b * kChunks + q2 + c) * kChunkBytes8;
-          for (int i = 0; i < 2; ++i) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(at + 32 * i), h[i]);
-            sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, h[i]), ones16));
-          }
-        } else {
-          for (int i = 0; i < 2; ++i) {
-            __m256i w16[2];
-            widen_avx2(w8[2 * c + i], w16);
-            int16_t* at = t.codes + (b * kChunks + q2 + c) * kChunkShorts + 32 * i;
-            _mm256_store_si256(reinterpret_cast<__m256i*>(at), w16[0]);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(at + 16), w16[1]);
+      for (int q2 = 0; q2 < kChunks; q2 += 2) {
+        __m256i w8[4];
+        two_chunks_avx2<WBits, Planes>(blk, q2, w8);
+        for (int c = 0; c < 2; ++c) {  // chunk q2 + c: code pairs in w8[2c] and w8[2c + 1]
+          if constexpr (Int8) {  // each column's 4 codes in one 32-bit lane, in ColumnOrder
+            const __m256i h[2] = {Four ? w8[2 * c] : _mm256_unpacklo_epi16(w8[2 * c], w8[2 * c + 1]),
+                                  Four ? w8[2 * c + 1] : _mm256_unpackhi_epi16(w8[2 * c], w8[2 * c + 1])};
+            keep_int8_avx2(h, t.codes + (b * kChunks + q2 + c) * kChunkBytes8, sums);
+          } else {
+            for (int i = 0; i < 2; ++i) {
+              __m256i w16[2];
+              widen_avx2(w8[2 * c + i], w16);
+              int16_t* at = t.codes + (b * kChunks + q2 + c) * kChunkShorts + 32 * i;
+              _mm256_store_si256(reinterpret_cast<__m256i*>(at), w16[0]);
+              _mm256_store_si256(reinterpret_cast<__m256i*>(at + 16), w16[1]);
+            }
           }
         }
       }
@@ -703,6 +787,8 @@ template <int WBits>
 void (*gemm_avx2(Layout layout, int activation_bits))(void*, size_t) {
   if constexpr (WBits == 8)
     return gemm_group_avx2<8, false, false>;
+  else if constexpr (WBits == 4)  // int8 activations only
+    return gemm_group_avx2<4, false, true>;
   else if (layout == kPlanes8)  // int8 activations only
     return gemm_group_avx2<6, true, true, true>;
   else if (layout == kPlanes)
@@ -908,7 +994,7 @@ void gemm_tile(void* user, size_t index) {
 }
 
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-enum class Path { kAvx512, kAvx2, kAvx2Planes, kAvx2Int8 };
+enum class Path { kAvx512, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
 template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
@@ -916,6 +1002,8 @@ constexpr auto by_rows(std::index_sequence<Rows...>) {
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Int8)
     return std::array<Kernel, sizeof...(Rows)>{group_avx2_int8<static_cast<int>(Rows + 1)>...};
+  else if constexpr (P == Path::kAvx2Fp4)
+    return std::array<Kernel, sizeof...(Rows)>{group_avx2_fp4<static_cast<int>(Rows + 1)>...};
   else
     return std::array<Kernel, sizeof...(Rows)>{group_avx2<WBits, static_cast<int>(Rows + 1), P == Path::kAvx2Planes>...};
 }
@@ -931,18 +1019,23 @@ void tile(void* user, size_t index) {
   int64_t per_pass = kRowGroup;
   void (*const* kernels)(const Problem<WBits>&, int64_t, int64_t) = nullptr;
 #ifdef MXSPD_X86
-  static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
-  static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
-  // MXINT8 has one layout: its planes kernels are the triples ones (and planes8 is refused for it)
-  static constexpr auto k256_planes =
-      by_rows<WBits, WBits == 6 ? Path::kAvx2Planes : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
-  static constexpr auto k256_planes8 =
-      by_rows<WBits, WBits == 6 ? Path::kAvx2Int8 : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
-  if (kHasAvx512Vbmi && p.layout == kTriples) {
-    per_pass = kRowGroup512;
-    kernels = k512.data();
-  } else if (kHasAvx2) {
-    kernels = p.layout == kPlanes8 ? k256_planes8.data() : p.layout == kPlanes ? k256_planes.data() : k256.data();
+  if constexpr (WBits == 4) {  // one layout, one AVX2 loop (AVX-512 machines run it too)
+    static constexpr auto k256_fp4 = by_rows<4, Path::kAvx2Fp4>(std::make_index_sequence<kRowGroup>());
+    if (kHasAvx2) kernels = k256_fp4.data();
+  } else {
+    static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
+    static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+    // MXINT8 has one layout: its planes kernels are the triples ones (and planes8 is refused for it)
+    static constexpr auto k256_planes =
+        by_rows<WBits, WBits == 6 ? Path::kAvx2Planes : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+    static constexpr auto k256_planes8 =
+        by_rows<WBits, WBits == 6 ? Path::kAvx2Int8 : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
+    if (kHasAvx512Vbmi && p.layout == kTriples) {
+      per_pass = kRowGroup512;
+      kernels = k512.data();
+    } else if (kHasAvx2) {
+      kernels = p.layout == kPlanes8 ? k256_planes8.data() : p.layout == kPlanes ? k256_planes.data() : k256.data();
+    }
   }
 #endif
   const int64_t passes = (p.m + per_pass - 1) / per_pass;
@@ -965,10 +1058,11 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
                    static_cast<const uint8_t*>(s), y, m, n, kb, layout};
   const auto groups = static_cast<size_t>((n + kGroup - 1) / kGroup);
 #ifdef MXSPD_X86
-  if (kHasAvx512Vbmi && layout == kTriples && m >= kGemmMinRows<WBits>)
-    return g_api.parallel_for(ctx, gemm_tile<WBits>, (groups + 1) / 2, &p);
+  if constexpr (WBits != 4)  // MXFP4 is never in triples
+    if (kHasAvx512Vbmi && layout == kTriples && m >= kGemmMinRows<WBits>)
+      return g_api.parallel_for(ctx, gemm_tile<WBits>, (groups + 1) / 2, &p);
   if (kHasAvx2 && !(kHasAvx512Vbmi && layout == kTriples) && m >= kGemmMinRows2<WBits>) {
-    if (WBits == 6 && activation_bits == 8) {
+    if (WBits != 8 && activation_bits == 8) {
       x.bias();
       p.xu = x.biased.data();
     }
@@ -1002,8 +1096,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const void*, const OrtKernelInfo* i
   if (OrtStatus* s = read_prologue(info, "MXMatMul: prologue must be 0, 1 or 2", &prologue, &epsilon)) return s;
   if (k <= 0 || n <= 0) return g_api.error("MXMatMul: attributes K and N must be positive");
   if (bits != 8 && bits != 16) return g_api.error("MXMatMul: activation_bits must be 8 or 16");
-  if (wbits != 6 && wbits != 8) return g_api.error("MXMatMul: weight_bits must be 6 (MXFP6 E2M3) or 8 (MXINT8)");
-  if (layout != kTriples && (wbits != 6 || (layout != kPlanes && (layout != kPlanes8 || bits != 8))))
+  if (wbits != 4 && wbits != 6 && wbits != 8)
+    return g_api.error("MXMatMul: weight_bits must be 4 (MXFP4 E2M1), 6 (MXFP6 E2M3) or 8 (MXINT8)");
+  if (wbits == 4 && (bits != 8 || layout != kPlanes8))
+    return g_api.error("MXMatMul: weight_bits 4 (MXFP4) needs activation_bits 8 and layout 2 (planes8's order)");
+  if (wbits != 4 && layout != kTriples && (wbits != 6 || (layout != kPlanes && (layout != kPlanes8 || bits != 8))))
     return g_api.error("MXMatMul: layout must be 0 (triples) or, with weight_bits 6, 1 (planes) or, with "
                        "activation_bits 8 too, 2 (planes8)");
   *out = new (std::nothrow) Kernel{k, n, bits, wbits, prologue, epsilon, static_cast<Layout>(layout)};
@@ -1024,10 +1121,12 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   if (adims.empty() || adims.back() != (kernel.prologue == kSwiGLU ? 2 : 1) * kernel.k)
     return g_api.error("MXMatMul: the last dimension of A must equal attribute K (2K with prologue 1, SwiGLU)");
   const int64_t groups = (kernel.n + kGroup - 1) / kGroup;
-  const int64_t block_bytes = kernel.weight_bits == 8 ? kGroupBlockBytes<8> : kGroupBlockBytes<6>;
+  const int64_t block_bytes = kernel.weight_bits == 8   ? kGroupBlockBytes<8>
+                              : kernel.weight_bits == 6 ? kGroupBlockBytes<6>
+                                                        : kGroupBlockBytes<4>;
   if (wdims != std::vector<int64_t>{groups, kb, block_bytes} || sdims != std::vector<int64_t>{groups, kb, kGroup})
-    return g_api.error("MXMatMul: W must be uint8 [ceil(N/16), ceil(K/32), 384 (weight_bits 6) or 512 (8)] and S "
-                       "uint8 [ceil(N/16), ceil(K/32), 16] (kernels/layout.py)");
+    return g_api.error("MXMatMul: W must be uint8 [ceil(N/16), ceil(K/32), 256 (weight_bits 4), 384 (6) or 512 (8)] "
+                       "and S uint8 [ceil(N/16), ceil(K/32), 16] (kernels/layout.py)");
   int64_t m = 1;
   for (size_t i = 0; i + 1 < adims.size(); ++i) m *= adims[i];
   std::vector<int64_t> ydims = adims;
@@ -1042,8 +1141,11 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
     if (OrtStatus* st = prologue_rows(kernel.prologue, kernel.k, kernel.epsilon, ctx, 3, a, adims, m, &rows)) return st;
   if (m == 0) return nullptr;
   const int bits = static_cast<int>(kernel.activation_bits);
-  return kernel.weight_bits == 8 ? run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout)
-                                 : run<6>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout);
+  switch (kernel.weight_bits) {
+    case 8: return run<8>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout);
+    case 6: return run<6>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout);
+    default: return run<4>(ctx, rows, pw, ps, out, m, kernel.k, kernel.n, kb, bits, kernel.layout);
+  }
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-"""OCP Microscaling (MX) quantization: FP6/FP4/INT8 block codes, E8M0 scales, 6-bit packing."""
+"""OCP Microscaling (MX) quantization: FP6/FP4/INT8 block codes, E8M0 scales, 6- and 4-bit packing."""
 
 from quant.mx import (
     FORMATS,
@@ -9,7 +9,7 @@ from quant.mx import (
     fake_quantize,
     quantize,
 )
-from quant.packing import pack_fp6, packed_fp6_size, unpack_fp6
+from quant.packing import pack_fp4, pack_fp6, packed_fp6_size, unpack_fp4, unpack_fp6
 
 __all__ = [
     "FORMATS",
@@ -18,8 +18,10 @@ __all__ = [
     "dequantize",
     "element_values",
     "fake_quantize",
+    "pack_fp4",
     "pack_fp6",
     "packed_fp6_size",
     "quantize",
+    "unpack_fp4",
     "unpack_fp6",
 ]

@@ -40,12 +40,12 @@ from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import default_opset, embedding_tables, matmul_weights, rewrite_graph, set_default_opset
 from quant.error_feedback import feedback_factor, quantize_with_feedback
 from quant.mx import quantize
-from quant.packing import pack_fp6
+from quant.packing import pack_fp4, pack_fp6
 
 MX_OPSET = 28  # first DequantizeLinear accepting FLOAT6 data with E8M0 scales
 CODES_SUFFIX, SCALES_SUFFIX = ".mx_codes", ".mx_scales"
 ONNX_TYPES = {"fp6_e2m3": onnx.TensorProto.FLOAT6E2M3, "fp6_e3m2": onnx.TensorProto.FLOAT6E3M2,
-              "int8": onnx.TensorProto.INT8}
+              "fp4_e2m1": onnx.TensorProto.FLOAT4E2M1, "int8": onnx.TensorProto.INT8}
 INT8_EXPONENT_SHIFT = 6  # MXINT8's element scale 2^-6, folded into the stored E8M0 exponent
 DECODER_LINEAR = re.compile(r"^(layers|h)\.\d+\..+\.weight\.T$")  # decoder blocks: Llama family, CodeGen
 LM_HEAD = "lm_head.weight.T"
@@ -107,15 +107,17 @@ def embedding_tensors(name: str, table: np.ndarray, rounding: str, scale: str = 
 def mx_tensors(name: str, w: np.ndarray, fmt: str, rounding: str, scale: str = "spec"
                ) -> tuple[onnx.TensorProto, onnx.TensorProto]:
     """Quantize W[K, N] along K into (codes [K, N], E8M0 scales [ceil(K/32), N]) initializers: FLOAT6
-    codes packed 4 in 3 bytes, or INT8 codes with the exponents shifted (_int8_graph_form)."""
+    codes packed 4 in 3 bytes, FLOAT4 codes 2 in a byte, or INT8 codes with the exponents shifted
+    (_int8_graph_form)."""
     k, n = w.shape
     t = quantize(w, fmt, axis=0, block_size=BLOCK, rounding=rounding, name=name, scale=scale)
     codes, scales = t.codes, t.scales
     if fmt == "int8":
         codes, scales = _int8_graph_form(codes, scales)
     codes = np.ascontiguousarray(codes[:, :k].T)  # quantize moved K last: back to [K, N]
-    # ONNX raw_data holds exactly ceil(6n/8) bytes of FLOAT6
-    data = codes if fmt == "int8" else pack_fp6(codes)[: math.ceil(6 * k * n / 8)]
+    # ONNX raw_data holds exactly ceil(6n/8) bytes of FLOAT6, ceil(n/2) of FLOAT4
+    data = (codes if fmt == "int8" else pack_fp4(codes) if fmt == "fp4_e2m1"
+            else pack_fp6(codes)[: math.ceil(6 * k * n / 8)])
     code_t = helper.make_tensor(name + CODES_SUFFIX, ONNX_TYPES[fmt], [k, n], data.tobytes(), raw=True)
     scale_t = helper.make_tensor(
         name + SCALES_SUFFIX, onnx.TensorProto.FLOAT8E8M0, [scales.shape[1], n],

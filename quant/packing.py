@@ -1,14 +1,16 @@
-"""6-bit code packing: 4 codes in 3 bytes, LSB-first (the ONNX FLOAT6 raw_data bit order).
+"""Code packing in the ONNX raw_data bit orders: 6-bit codes 4 in 3 bytes, 4-bit codes 2 in a byte,
+LSB-first.
 
-One code per byte would cost 8 instead of 6 bits and lose most of MXFP6's size advantage.
-ONNX `raw_data` is the same stream cut to ceil(6n/8) bytes: `pack_fp6(c)[:ceil(6n/8)]`.
+One code per byte would cost 8 instead of 6 (or 4) bits and lose most of MX's size advantage.
+ONNX `raw_data` is the 6-bit stream cut to ceil(6n/8) bytes: `pack_fp6(c)[:ceil(6n/8)]`; FLOAT4E2M1's
+is ceil(n/2) bytes, the first code in each byte's low 4 bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pack_fp6", "packed_fp6_size", "unpack_fp6"]
+__all__ = ["pack_fp4", "pack_fp6", "packed_fp6_size", "unpack_fp4", "unpack_fp6"]
 
 
 def packed_fp6_size(count: int) -> int:
@@ -64,3 +66,30 @@ def unpack_fp6(packed: np.ndarray, count: int) -> np.ndarray:
     out[:, 2] = (b1 >> 4) | ((b2 & 3) << 4)
     out[:, 3] = b2 >> 2
     return out.reshape(-1)[:count]
+
+
+def pack_fp4(codes: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes (any shape, read flat) two to a byte, the first in the low 4 bits (ONNX's
+    FLOAT4E2M1 raw_data: ceil(n / 2) bytes, an odd count's last high half zero)."""
+    flat = np.asarray(codes).ravel()
+    if flat.size and (flat.dtype.kind not in "iu" or flat.min() < 0 or flat.max() > 15):
+        raise ValueError("pack_fp4 needs integer codes in [0, 15]")
+    flat = flat.astype(np.uint8, copy=False)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, dtype=np.uint8)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def unpack_fp4(packed: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of `pack_fp4`: the first `count` codes as flat uint8, from exactly ceil(count / 2) bytes."""
+    data = np.asarray(packed)
+    if data.dtype != np.uint8:
+        raise ValueError(f"unpack_fp4 needs uint8 bytes, got {data.dtype}")
+    if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
+        raise ValueError(f"count must be a non-negative integer, got {count!r}")
+    data = data.ravel()
+    if data.size != -(-int(count) // 2):
+        raise ValueError(f"{data.size} packed bytes do not hold {count} 4-bit codes (expected {-(-int(count) // 2)})")
+    out = np.empty(2 * data.size, dtype=np.uint8)
+    out[0::2], out[1::2] = data & 15, data >> 4
+    return out[:count]

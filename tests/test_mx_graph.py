@@ -52,7 +52,7 @@ def run_ort(model: onnx.ModelProto, x: np.ndarray, optimized: str | None = None)
     return session.run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("fmt", ["fp6_e2m3", "fp6_e3m2"])
+@pytest.mark.parametrize("fmt", ["fp6_e2m3", "fp6_e3m2", "fp4_e2m1"])
 @pytest.mark.parametrize("k", [64, 70])
 def test_standard_onnx_mx_graph_dequantizes_to_fake_quantize(fmt, k):
     """onnx's own reference DequantizeLinear (FLOAT6 data, E8M0 scales) decodes our packing exactly."""
@@ -61,7 +61,9 @@ def test_standard_onnx_mx_graph_dequantizes_to_fake_quantize(fmt, k):
     assert quantize_model(model, fmt) == 1
     onnx.checker.check_model(model, full_check=True)
     types = {t.name: t.data_type for t in model.graph.initializer}
-    assert types[WEIGHT + ".mx_codes"] in (onnx.TensorProto.FLOAT6E2M3, onnx.TensorProto.FLOAT6E3M2)
+    want = {"fp6_e2m3": onnx.TensorProto.FLOAT6E2M3, "fp6_e3m2": onnx.TensorProto.FLOAT6E3M2,
+            "fp4_e2m1": onnx.TensorProto.FLOAT4E2M1}
+    assert types[WEIGHT + ".mx_codes"] == want[fmt]
     assert types[WEIGHT + ".mx_scales"] == onnx.TensorProto.FLOAT8E8M0
     x = np.random.default_rng(1).standard_normal((1, 3, k)).astype(np.float32)
     y = ReferenceEvaluator(model).run(None, {"x": x})[0]
@@ -162,7 +164,8 @@ def test_quant_summary_counts_stored_bytes(tmp_path):
     assert s.ratio_to_fp16 == pytest.approx(0.390625)
 
 
-@pytest.mark.parametrize("fmt,lowering", [("fp6_e2m3", "exact"), ("fp6_e3m2", "exact"), ("fp6_e2m3", "fused")])
+@pytest.mark.parametrize("fmt,lowering", [("fp6_e2m3", "exact"), ("fp6_e3m2", "exact"), ("fp6_e2m3", "fused"),
+                                          ("fp4_e2m1", "exact"), ("fp4_e2m1", "fused")])
 @pytest.mark.parametrize("k", [96, 70])
 def test_lowered_graph_in_onnxruntime_equals_numpy_with_fake_quantized_weights(fmt, lowering, k, monkeypatch):
     """accuracy_level 0 keeps activations in float32, so the fused re-encoding itself must be lossless."""
@@ -209,6 +212,14 @@ def test_e3m2_needs_the_exact_lowering(lowering):
         recipe_from_dict({"name": "x", "tlm": {"model": "m", "mx_format": "fp6_e3m2"}, "speculative": False})
 
 
+def test_mxfp4_is_refused_for_the_gpu_target_s_kernel():
+    base = {"name": "x", "speculative": False, "target": "ort-cuda"}
+    with pytest.raises(RecipeError, match="tlm: the ort-cuda target's MX kernel reads MXFP6 and MXINT8 only"):
+        recipe_from_dict(base | {"tlm": {"model": "m", "mx_format": "fp4_e2m1"}})
+    recipe_from_dict(base | {"tlm": {"model": "m", "mx_format": "fp4_e2m1", "mx_lowering": "exact"}})
+    recipe_from_dict(base | {"target": "ort-cpu", "tlm": {"model": "m", "mx_format": "fp4_e2m1"}})
+
+
 def test_lowering_that_did_not_survive_is_an_error():
     plain = matmul_model(weights(64, 32))
     with pytest.raises(RuntimeError, match="did not survive"):
@@ -251,6 +262,8 @@ def mx_artifacts(checkpoints, tmp_path_factory):
         "native": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"),  # the default lowering
         "exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3", mx_lowering="exact"),
         "e3m2": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e3m2", mx_lowering="exact"),
+        "fp4": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1"),  # native: int8 activations
+        "fp4_exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1", mx_lowering="exact"),
     }
     return {
         k: build_artifact(replace(tiny_recipe(), dlm=None, tlm=s), root / k, progress=False) for k, s in specs.items()
@@ -266,7 +279,7 @@ def prompt_logits(artifact, tokens: list[int]) -> np.ndarray:
 TOKENS = [5, 17, 200, 43, 99, 12, 7, 64, 150, 3, 77, 31]
 
 
-@pytest.mark.parametrize("kind,fmt", [("exact", "fp6_e2m3"), ("e3m2", "fp6_e3m2")])
+@pytest.mark.parametrize("kind,fmt", [("exact", "fp6_e2m3"), ("e3m2", "fp6_e3m2"), ("fp4_exact", "fp4_e2m1")])
 def test_exact_artifact_matches_transformers_with_mx_weights(mx_artifacts, checkpoints, kind, fmt):
     ours = prompt_logits(mx_artifacts[kind], TOKENS)
     ref = hf_logits(checkpoints["llama-gqa"], TOKENS, fmt)[-1]
@@ -275,32 +288,37 @@ def test_exact_artifact_matches_transformers_with_mx_weights(mx_artifacts, check
     assert np.abs(ours - fp32).max() > 1e-3  # the weights really were quantized
 
 
-@pytest.mark.parametrize("kind,tolerance", [("fused", 0.02), ("native", 1e-4)])
-def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance):
-    """fused rounds activations to int8 per block; native (where its library is built) to int16."""
-    ours, exact = prompt_logits(mx_artifacts[kind], TOKENS), prompt_logits(mx_artifacts["exact"], TOKENS)
+@pytest.mark.parametrize("kind,tolerance,exact", [("fused", 0.02, "exact"), ("native", 1e-4, "exact"),
+                                                  ("fp4", 0.02, "fp4_exact")])
+def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance, exact):
+    """fused rounds activations to int8 per block; native (where its library is built) to int16, and to int8
+    with MXFP4 weights."""
+    ours, exact = prompt_logits(mx_artifacts[kind], TOKENS), prompt_logits(mx_artifacts[exact], TOKENS)
     if kind == "native" and load_artifact(mx_artifacts[kind]).manifest.models["tlm"].quant["lowering"] != "native":
         tolerance = 0.02  # no library here: the compiler fell back to fused
     assert np.abs(ours - exact).max() < tolerance * np.abs(exact).max()
     assert ours.argmax() == exact.argmax()
 
 
-@pytest.mark.parametrize("kind", ["fused", "native", "exact", "e3m2"])
+@pytest.mark.parametrize("kind", ["fused", "native", "exact", "e3m2", "fp4"])
 def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
     """The MX form is 0.41x FP16 (recorded: MXFP6 decoder weights at 0.39x, the MXINT8 LM head at 0.52x);
     the compiled CPU artifact stores what its kernels read: fused keeps every MX weight as MatMulNBits
-    8-bit codes (prepacked), native as MXMatMul's codes (6-bit: 24 bytes per 32 weights; the head's
-    8-bit) and E8M0 bytes; neither ever a float weight."""
-    art = load_artifact(mx_artifacts[kind])
-    quant = art.manifest.models["tlm"].quant
+    8-bit codes (prepacked), native as MXMatMul's codes (6-bit: 24 bytes per 32 weights; MXFP4's 16; the
+    head's 8-bit) and E8M0 bytes; neither ever a float weight."""
+    root = mx_artifacts[kind]
+    quant = load_artifact(root).manifest.models["tlm"].quant
+    fp4 = kind == "fp4"
+    kind = "native" if fp4 else kind
     if kind == "native" and library_path() is None:
         kind = "fused"  # the compiler fell back (tested in test_native_kernel.py)
     assert quant["lowering"] == (kind if kind in ("fused", "native") else "exact")
     assert quant["lowered_weights"] == quant["tensors"] == 15 and quant["lm_head"] and quant["int8_tensors"] == 1
     decoder, head = 73728, 260 * 64  # llama-gqa's decoder linears and LM head, in weights
-    assert quant["mx_bytes"] == decoder * 6.25 / 8 + head * 8.25 / 8 and quant["fp16_bytes"] == 2 * (decoder + head)
+    bits = 4.25 if fp4 else 6.25
+    assert quant["mx_bytes"] == decoder * bits / 8 + head * 8.25 / 8 and quant["fp16_bytes"] == 2 * (decoder + head)
     for graph in ("prefill", "decode", "score3"):
-        model = onnx.load(str(mx_artifacts[kind] / "tlm" / f"{graph}.onnx"), load_external_data=False)
+        model = onnx.load(str(root / "tlm" / f"{graph}.onnx"), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert len(nbits) == (15 if kind == "fused" else 0)
@@ -316,8 +334,9 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
             attrs = {a.name: a.i for a in n.attribute}
             k, n_out = attrs["K"], attrs["N"]
             groups, kb = -(-n_out // 16), -(-k // 32)
-            block = 512 if n.input[1].startswith("lm_head") else 384  # MXINT8: 64 code bytes per 4 x 16 weights
+            block = 512 if n.input[1].startswith("lm_head") else 256 if fp4 else 384  # MXINT8: 64 bytes per 4 x 16
             assert list(w.dims) == [groups, kb, block] and list(e8m0.dims) == [groups, kb, 16]
+            assert attrs["activation_bits"] == (8 if fp4 and block == 256 else 16)
         if kind in ("fused", "native"):
             assert not [t for t in inits if t.endswith("proj.weight.T")], "a full-precision decoder weight"
 

@@ -17,8 +17,10 @@ from quant import (
     dequantize,
     element_values,
     fake_quantize,
+    pack_fp4,
     pack_fp6,
     quantize,
+    unpack_fp4,
     unpack_fp6,
 )
 
@@ -428,6 +430,20 @@ def test_pack_round_trip_and_size(count: int) -> None:
     np.testing.assert_array_equal(unpack_fp6(packed, count), codes)
     minimal = -(-count * 6 // 8)  # ONNX raw_data length is accepted too
     np.testing.assert_array_equal(unpack_fp6(packed[:minimal], count), codes)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 31, 32, 33, 1001])
+def test_fp4_packs_two_codes_a_byte_low_nibble_first(count: int) -> None:
+    """ONNX FLOAT4E2M1 raw_data: ceil(n / 2) bytes, the first code in the low 4 bits."""
+    assert pack_fp4(np.array([1, 2, 15], np.uint8)).tolist() == [0x21, 0x0F]
+    codes = np.random.default_rng(count).integers(0, 16, count).astype(np.uint8)
+    packed = pack_fp4(codes)
+    assert packed.dtype == np.uint8 and packed.size == -(-count // 2)
+    np.testing.assert_array_equal(unpack_fp4(packed, count), codes)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_fp4(np.array([16], np.uint8))
+    with pytest.raises(ValueError, match="do not hold"):
+        unpack_fp4(np.zeros(packed.size + 1, np.uint8), count)
 
 
 def test_pack_rejects_bad_input() -> None:

@@ -23,8 +23,17 @@ from onnx.reference import ReferenceEvaluator
 import kernels
 from common.targets import TARGETS, session_options
 from compiler import build
-from compiler.mx_lowering import lower_model
-from kernels.layout import PLANES, PLANES8, TRIPLES, pack_columns, pack_int8_columns, pack_scales, unpack_columns
+from compiler.mx_lowering import LoweringError, lower_model
+from kernels.layout import (
+    PLANES,
+    PLANES8,
+    TRIPLES,
+    pack_columns,
+    pack_fp4_columns,
+    pack_int8_columns,
+    pack_scales,
+    unpack_columns,
+)
 from quant import element_values, fake_quantize
 from quant.onnx_pass import MXPass, apply_passes, quantize_model
 from tests.test_mx_graph import WEIGHT, matmul_model, renamed, weights
@@ -101,15 +110,29 @@ def test_planes8_layout_puts_each_column_s_four_codes_in_one_32_bit_lane():
     assert not np.array_equal(planes8, pack_columns(codes, PLANES))  # the same bits, another order
 
 
-def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list,
-                    layout: int = TRIPLES) -> onnx.ModelProto:
-    """MXMatMul on MXFP6 E2M3 codes (uint8, in `layout`) or MXINT8 codes (int8, exponents already holding
-    the 2^-6)."""
+def test_fp4_layout_puts_two_codes_in_a_byte_in_planes8_order():
+    """MXFP4: chunk q's 32 bytes, byte i holding planes8's position i in bits 0-3 and 32 + i in bits 4-7."""
+    codes = np.random.default_rng(2).integers(0, 16, (70, 37)).astype(np.uint8)
+    packed = pack_fp4_columns(codes)
+    assert packed.shape == (3, 3, 256) and packed.dtype == np.uint8  # 4.25 bits per weight with the scale
+    padded = np.zeros((96, 48), np.uint8)
+    padded[:70, :37] = codes
+    block = padded[32:64, 32:48].T  # group 2, block 1: [column, code]
+    for q, o in itertools.product(range(8), range(64)):
+        column, code = 4 * (o // 32) + 8 * ((o % 32) // 16) + (o % 16) // 4, 4 * q + o % 4
+        assert (packed[2, 1, 32 * q + o % 32] >> (4 * (o // 32))) & 15 == block[column, code], (q, o)
+    assert not packed[:, 2, 32 * 2:].any() and packed[:, 2, :32 * 2].any()  # K = 70: block 2 from code 72 is padding
+
+
+def mx_matmul_model(codes: np.ndarray, exps: np.ndarray, bits: int, shape: list, layout: int = TRIPLES,
+                    wbits: int = 6) -> onnx.ModelProto:
+    """MXMatMul on MXFP6 E2M3 codes (uint8, in `layout`), MXFP4 E2M1 codes (uint8, `wbits` 4: PLANES8's order)
+    or MXINT8 codes (int8, exponents already holding the 2^-6)."""
     k, n = codes.shape
-    int8 = codes.dtype == np.int8
+    wbits = 8 if codes.dtype == np.int8 else wbits
     node = helper.make_node("MXMatMul", ["a", "w", "s"], ["y"], domain=kernels.DOMAIN, K=k, N=n, activation_bits=bits,
-                            weight_bits=8 if int8 else 6, **({} if int8 else {"layout": layout}))
-    packed = pack_int8_columns(codes) if int8 else pack_columns(codes, layout)
+                            weight_bits=wbits, **({} if wbits == 8 else {"layout": layout}))
+    packed = {8: pack_int8_columns, 4: pack_fp4_columns}.get(wbits, lambda c: pack_columns(c, layout))(codes)
     graph = helper.make_graph(
         [node], "mx", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
@@ -121,7 +144,7 @@ def session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"])
 
 
-def reference(a: np.ndarray, codes: np.ndarray, exps: np.ndarray, bits: int) -> np.ndarray:
+def reference(a: np.ndarray, codes: np.ndarray, exps: np.ndarray, bits: int, wbits: int = 6) -> np.ndarray:
     """The documented arithmetic in float64: activations rounded per block of 32 to `bits`-bit integers."""
     k = codes.shape[0]
     kb = -(-k // 32)
@@ -133,36 +156,37 @@ def reference(a: np.ndarray, codes: np.ndarray, exps: np.ndarray, bits: int) -> 
     step = np.where(amax > 0, (amax / qmax).astype(np.float32), 0).astype(np.float64)
     inv = np.where(amax > 0, (qmax / amax).astype(np.float32), 0).astype(np.float32)
     q = np.rint((blocks.astype(np.float32) * inv).astype(np.float32)).astype(np.float64) * step
-    return q.reshape(-1, kb * 32)[:, :k] @ weight_values(codes, exps)
+    return q.reshape(-1, kb * 32)[:, :k] @ weight_values(codes, exps, wbits)
 
 
-def weight_values(codes: np.ndarray, exps: np.ndarray) -> np.ndarray:
-    """float64 [K, N]: E2M3 values, or MXINT8 codes, times the blocks' 2^(e-127)."""
-    values = codes.astype(np.float64) if codes.dtype == np.int8 else element_values("fp6_e2m3")[codes]
+def weight_values(codes: np.ndarray, exps: np.ndarray, wbits: int = 6) -> np.ndarray:
+    """float64 [K, N]: E2M3 (or, `wbits` 4, E2M1) values, or MXINT8 codes, times the blocks' 2^(e-127)."""
+    values = (codes.astype(np.float64) if codes.dtype == np.int8
+              else element_values("fp4_e2m1" if wbits == 4 else "fp6_e2m3")[codes])
     return values * np.ldexp(1.0, exps.astype(int) - 127).repeat(32, 0)[: codes.shape[0]]
 
 
 def random_mx(k: int, n: int, seed: int = 0, wbits: int = 6) -> tuple[np.ndarray, np.ndarray]:
-    """Random codes (E2M3, or MXINT8's symmetric int8) and block exponents near 1."""
+    """Random codes (E2M3, E2M1, or MXINT8's symmetric int8) and block exponents near 1."""
     rng = np.random.default_rng(seed)
     codes = (rng.integers(-127, 128, (k, n)).astype(np.int8) if wbits == 8
-             else rng.integers(0, 64, (k, n)).astype(np.uint8))
+             else rng.integers(0, 2 ** wbits, (k, n)).astype(np.uint8))
     return codes, rng.integers(118, 132, (-(-k // 32), n)).astype(np.uint8) - (6 if wbits == 8 else 0)
 
 
 @needs_library
 @pytest.mark.parametrize("wbits,layout,bits", [(6, TRIPLES, 16), (6, PLANES, 16), (8, TRIPLES, 16), (6, TRIPLES, 8),
-                                              (6, PLANES, 8), (6, PLANES8, 8), (8, TRIPLES, 8)],
+                                              (6, PLANES, 8), (6, PLANES8, 8), (8, TRIPLES, 8), (4, PLANES8, 8)],
                          ids=["mxfp6-triples", "mxfp6-planes", "mxint8", "mxfp6-triples-int8", "mxfp6-planes-int8",
-                              "mxfp6-planes8-int8", "mxint8-int8"])
+                              "mxfp6-planes8-int8", "mxint8-int8", "mxfp4-int8"])
 @pytest.mark.parametrize("k,n", [(96, 40), (70, 19), (576, 192)])
 def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
     codes, exps = random_mx(k, n, wbits=wbits)
     a = np.random.default_rng(1).standard_normal((6, k)).astype(np.float32)
-    y = session(mx_matmul_model(codes, exps, bits, [6, k], layout)).run(None, {"a": a})[0]
-    ref = reference(a, codes, exps, bits)
+    y = session(mx_matmul_model(codes, exps, bits, [6, k], layout, wbits)).run(None, {"a": a})[0]
+    ref = reference(a, codes, exps, bits, wbits)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    exact = a.astype(np.float64) @ weight_values(codes, exps)
+    exact = a.astype(np.float64) @ weight_values(codes, exps, wbits)
     err = np.abs(y - exact).max() / np.abs(exact).max()
     # int16 activations: within float32-accumulation noise of the exact product; int8: ~0.5% as MatMulNBits' level 4
     assert err < (1e-4 if bits == 16 else 2e-2), err
@@ -171,20 +195,21 @@ def test_values_follow_the_documented_arithmetic(bits, k, n, wbits, layout):
 
 @needs_library
 @pytest.mark.parametrize("wbits,layout,bits", [(6, TRIPLES, 16), (8, TRIPLES, 16), (6, TRIPLES, 8), (6, PLANES8, 8),
-                                              (8, TRIPLES, 8)],
-                         ids=["mxfp6", "mxint8", "mxfp6-int8", "mxfp6-planes8-int8", "mxint8-int8"])
+                                              (8, TRIPLES, 8), (4, PLANES8, 8)],
+                         ids=["mxfp6", "mxint8", "mxfp6-int8", "mxfp6-planes8-int8", "mxint8-int8", "mxfp4-int8"])
 def test_a_row_gets_the_same_bits_whatever_shares_its_call(bits, wbits, layout):
     """Calls of 1 to 9 rows, and of 64 (the many-row path), give each row the bits it gets alone."""
     codes, exps = random_mx(576, 200, seed=3, wbits=wbits)
     a = np.random.default_rng(4).standard_normal((64, 576)).astype(np.float32)
-    s = session(mx_matmul_model(codes, exps, bits, [None, 576], layout))
+    model = mx_matmul_model(codes, exps, bits, [None, 576], layout, wbits)
+    s = session(model)
     full = s.run(None, {"a": a})[0]
     for m in (1, 2, 3, 4, 5, 8, 9, 13, 30):
         np.testing.assert_array_equal(s.run(None, {"a": a[:m]})[0], full[:m])
     np.testing.assert_array_equal(s.run(None, {"a": a[[7]]})[0], full[[7]])
-    one_thread = session(mx_matmul_model(codes, exps, bits, [None, 576], layout), threads=1)
+    one_thread = session(model, threads=1)
     np.testing.assert_array_equal(one_thread.run(None, {"a": a})[0], full)
-    batched = session(mx_matmul_model(codes, exps, bits, [1, 64, 576], layout)).run(None, {"a": a[None]})[0]
+    batched = session(mx_matmul_model(codes, exps, bits, [1, 64, 576], layout, wbits)).run(None, {"a": a[None]})[0]
     np.testing.assert_array_equal(batched[0], full)
 
 
@@ -204,7 +229,7 @@ ROW_COUNTS = [*range(1, 26), 48, 61]
 @needs_library
 def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
-    weight formats, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
+    weight formats and MXFP4, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
     beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 16 rows for MXFP6 and 32 for MXINT8
     the AVX-512 path decodes each weight once per call, 8 blocks of K at a time: K = 300 is a whole tile
     and a partial one), odd and even column counts, MXINT8's code
@@ -213,14 +238,14 @@ def test_every_path_gives_the_same_bits(tmp_path):
     rng = np.random.default_rng(6)
     # (weight bits, activation bits, layout); the codes of case i % 4 (then MXFP6 in PLANES, and int8 in PLANES8)
     cases = [*((w, a, TRIPLES) for w, a in itertools.product((6, 8), (16, 8))), (6, 16, PLANES), (6, 8, PLANES),
-             (6, 8, PLANES8)]
+             (6, 8, PLANES8), (4, 8, PLANES8)]
     for i, (wbits, bits, layout) in enumerate(cases):
         codes, exps = random_mx(300, 33, seed=i % 4 if i < 6 else 1, wbits=wbits)  # 33 columns: pairs and an odd one
         if wbits == 8:
             codes[5, 3] = -128
         exps[1, 7] = 255  # NaN scale: column 7's outputs are NaN
         exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
-        onnx.save(mx_matmul_model(codes, exps, bits, [None, 300], layout), tmp_path / f"{i}.onnx")
+        onnx.save(mx_matmul_model(codes, exps, bits, [None, 300], layout, wbits), tmp_path / f"{i}.onnx")
     for rows in ROW_COUNTS:
         a = rng.standard_normal((rows, 300)).astype(np.float32)
         a[0, 32:64] = 0.0
@@ -228,14 +253,16 @@ def test_every_path_gives_the_same_bits(tmp_path):
         np.save(tmp_path / f"a{rows}.npy", a)
     code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
             "d = pathlib.Path(sys.argv[1]);"
-            "s = [ort.InferenceSession(str(d / f'{i}.onnx'), session_options(2)) for i in range(7)];"
+            f"s = [ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2)) for i in range({len(cases)})];"
             "[sys.stdout.buffer.write(x.run(None, {'a': np.load(d / f'a{r}.npy')})[0].tobytes())"
             f" for x in s for r in {ROW_COUNTS}]")
     outs = every_path(code, str(tmp_path))
     case = sum(ROW_COUNTS) * 33 * 4  # bytes per case
-    assert len(outs[0]) == 7 * case and outs[0] == outs[1] == outs[2]
+    assert len(outs[0]) == len(cases) * case and outs[0] == outs[1] == outs[2]
     assert outs[0][4 * case:6 * case] == outs[0][:2 * case]  # MXFP6 in any layout: the same bits
-    assert outs[0][6 * case:] == outs[0][case:2 * case]
+    assert outs[0][6 * case:7 * case] == outs[0][case:2 * case]
+    fp4 = np.frombuffer(outs[0][7 * case:], np.float32)
+    assert np.isfinite(fp4).mean() > 0.9 and not np.array_equal(fp4, np.frombuffer(outs[0][:case], np.float32))
     y = np.frombuffer(outs[0], np.float32)
     assert np.isnan(y).any() and np.isfinite(y).mean() > 0.9  # the NaN cases took effect, the rest did not
     tiny = np.abs(y[np.isfinite(y)])
@@ -243,25 +270,27 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 
 @needs_library
-@pytest.mark.parametrize("layout", [TRIPLES, PLANES, PLANES8], ids=["triples", "planes", "planes8"])
-def test_the_largest_int8_products_are_exact_on_the_many_row_path(layout):
+@pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (6, PLANES8), (4, PLANES8)],
+                         ids=["triples", "planes", "planes8", "mxfp4"])
+def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout):
     """int8 activations at +-127 against MXFP6 weights at +-60 (their largest magnitudes, signs mixed):
     the AVX2 many-row path's biased vpmaddubsw pairs reach 2 x 255 x 60 = 30,600 and must not saturate
     (2^15 - 1), nor PLANES8's one-row sums of two chunks' pairs (4 x 127 x 60 = 30,480 where a column's
     weights and a row's activations share their signs: column 0 and row 0): a 32-row call gives each row
     the bits it gets alone, and the exact products to float32 rounding (a saturated pair would be off by
-    thousands of steps)."""
+    thousands of steps). MXFP4 at +-12 (2 x 6): a block's 8 chunks of pairs, 8 x 2 x 12 x 127 = 24,384."""
     k, n = 64, 32
     rng = np.random.default_rng(9)
-    codes = np.where(rng.random((k, n)) < 0.5, 31, 63).astype(np.uint8)  # +60 / -60 (8 x 7.5)
+    top, negative = (31, 63) if wbits == 6 else (7, 15)  # +60 / -60 (8 x 7.5); MXFP4 +12 / -12 (2 x 6)
+    codes = np.where(rng.random((k, n)) < 0.5, top, negative).astype(np.uint8)
     exps = np.full((k // 32, n), 127, np.uint8)
     a = np.where(rng.random((32, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
     a[:, ::2] = 1.0
-    codes[:, 0], a[0] = 31, 1.0
-    s = session(mx_matmul_model(codes, exps, 8, [None, k], layout))
+    codes[:, 0], a[0] = top, 1.0
+    s = session(mx_matmul_model(codes, exps, 8, [None, k], layout, wbits))
     y = s.run(None, {"a": a})[0]
     np.testing.assert_array_equal(y, np.concatenate([s.run(None, {"a": a[[r]]})[0] for r in range(32)]))
-    np.testing.assert_allclose(y, a.astype(np.float64) @ weight_values(codes, exps), atol=1e-5)
+    np.testing.assert_allclose(y, a.astype(np.float64) @ weight_values(codes, exps, wbits), atol=1e-5)
 
 
 @needs_library
@@ -311,9 +340,16 @@ def test_bad_shapes_are_refused_with_a_message():
     bits.i = 4
     with pytest.raises(Exception, match="activation_bits must be 8 or 16"):
         session(model)
-    bits.i, next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 16, 4
-    with pytest.raises(Exception, match="weight_bits must be 6"):
+    bits.i, next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 16, 5
+    with pytest.raises(Exception, match="weight_bits must be 4"):
         session(model)
+    next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 4  # MXFP4: int8 and PLANES8 only
+    with pytest.raises(Exception, match="weight_bits 4 .MXFP4. needs activation_bits 8 and layout 2"):
+        session(model)
+    bits.i = 8
+    with pytest.raises(Exception, match="weight_bits 4 .MXFP4. needs activation_bits 8 and layout 2"):
+        session(model)  # layout 0
+    bits.i = 16
     next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
     layout = next(a for a in model.graph.node[0].attribute if a.name == "layout")
     layout.i = 3
@@ -379,6 +415,38 @@ def test_every_lowering_runs_an_mxint8_lm_head_on_its_mx_values(lowering):
     # int8 activations; int16 ones; float32 sums of the exact values
     tol = {"native8": 2e-2, "fused": 2e-2, "native": 1e-4}.get(lowering, 1e-5)
     np.testing.assert_allclose(y, exact, rtol=0, atol=tol * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("lowering", ["native", "native8", "fused", "exact"])
+def test_every_lowering_runs_mxfp4_weights_on_their_mx_values(lowering):
+    """MXFP4 E2M1: standard FLOAT4 DequantizeLinear blocks (the ONNX reference gives exactly the MX values),
+    then each lowering; both native ones become MXMatMul with 4-bit weights and int8 activations."""
+    if lowering.startswith("native") and kernels.library_path() is None:
+        pytest.skip("native kernel library not built here")
+    w = weights(96, 40)
+    model = matmul_model(w)
+    quantize_model(model, "fp4_e2m1")
+    assert {t.name: t.data_type for t in model.graph.initializer}[WEIGHT + ".mx_codes"] == onnx.TensorProto.FLOAT4E2M1
+    x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
+    exact = x @ fake_quantize(w, "fp4_e2m1", axis=0)
+    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"x": x})[0], exact, rtol=1e-6)
+    assert np.abs(exact - x @ w).max() > 1e-2 * np.abs(exact).max()  # 4 bits: far coarser than the float weights
+    assert lower_model(model, lowering) == {WEIGHT: "fp4_e2m1"}
+    if lowering.startswith("native"):
+        attrs = {a.name: a.i for a in model.graph.node[0].attribute}
+        assert (attrs["weight_bits"], attrs["activation_bits"], attrs["layout"]) == (4, 8, PLANES8)
+        assert next(t for t in model.graph.initializer if t.name.endswith(".mx6")).dims[-1] == 256  # 4 bits a code
+    y = ort.InferenceSession(model.SerializeToString(), session_options(),
+                             providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    tol = 1e-5 if lowering == "exact" else 2e-2  # int8 activations (fused and native)
+    np.testing.assert_allclose(y, exact, rtol=0, atol=tol * np.abs(exact).max())
+
+
+def test_the_gpu_lowering_refuses_mxfp4():
+    model = matmul_model(weights(96, 40))
+    quantize_model(model, "fp4_e2m1")
+    with pytest.raises(LoweringError, match="reads fp6_e2m3 and MXINT8 only, not fp4_e2m1"):
+        lower_model(model, kernels.GPU_LOWERING)
 
 
 def test_without_the_library_the_compiler_falls_back_and_the_runtime_says_why(monkeypatch):

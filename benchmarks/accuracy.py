@@ -3,7 +3,7 @@
     python -m benchmarks.accuracy [--recipe tiny-stdlib-spd] [--tokens 16384] [--text FILE|pydoc:topics|os:licences]
                                   [--window N]
                                   [--configs ...] [--instructions 100] [--genai int4,fp32] [--llamacpp F32,Q6_K,Q8_0]
-                                  [--out reports]
+                                  [--artifact ART] [--out reports]
 
 Builds the recipe's TLM unquantized and in each MX format, lowering and block-exponent choice (rounded
 with error feedback where the recipe names a calibration text, `+nearest` to nearest), and scores held-
@@ -35,6 +35,7 @@ import runtime
 from benchmarks.intervals import perplexity_ratio_interval
 from benchmarks.peers import Genai, llama_cpp_module, llama_file
 from benchmarks.variants import build_cached, variant, with_settings
+from common.manifest import ArtifactError
 from common.recipe import selects_head
 from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
@@ -152,6 +153,26 @@ def held_out_texts(text_file: Path | None) -> list[str]:
     return [text_file.read_text()]
 
 
+TOKENIZER_PROBE = "The quick brown fox, 1,234 times: def f(x): return x ** 2  # l'été"
+
+
+def given_artifact(path: Path, reference, window: int):
+    """A compiled artifact to score beside the configs: it must hold the scored windows and read text as
+    the float32 build (`reference`) does, or the comparison means nothing."""
+    try:
+        art = runtime.load_artifact(path)
+    except (OSError, ValueError, ArtifactError) as exc:
+        raise SystemExit(f"--artifact {path}: {exc}") from exc
+    if art.manifest.context_length < window:
+        raise SystemExit(f"--artifact {path}: its context ({art.manifest.context_length} positions) is shorter than "
+                         f"the scored windows ({window}); pass --window {art.manifest.context_length}")
+    ours, theirs = (t(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+                    for t in (reference.tokenizer, art.tokenizer))
+    if ours != theirs:
+        raise SystemExit(f"--artifact {path}: its tokenizer reads text otherwise than the recipe's: another model?")
+    return art
+
+
 def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
     texts = held_out_texts(text_file)
     tok = art.tokenizer
@@ -184,8 +205,9 @@ def scored(chunks) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(nll), np.concatenate(top1)
 
 
-def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token negative log-likelihood and argmax, teacher-forced through the prefill graph."""
+def score(art, tokens: np.ndarray, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token negative log-likelihood and argmax, teacher-forced through the prefill graph, in windows of
+    `window` positions (default: the artifact's context)."""
     runner, last = art.tlm, None
 
     def chunk(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +217,7 @@ def score(art, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             last = w
         return judge(runner.forward("prefill", inputs), targets)
 
-    return scored(chunk(*c) for c in windows(tokens, art.manifest.context_length, art.manifest.prefill_chunk))
+    return scored(chunk(*c) for c in windows(tokens, window or art.manifest.context_length, art.manifest.prefill_chunk))
 
 
 def genai_score(model, tokens: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -299,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the bench extra): perplexity and top-1 agreement, also with its own fp32")
     parser.add_argument("--llamacpp", default="", help="also llama.cpp formats made from the recipe's GGUF (F32, "
                         "Q6_K, Q8_0, ...; the peers extra): perplexity, top-1 agreement with our fp32 and with its F32")
+    parser.add_argument("--artifact", action="append", default=[], type=Path, metavar="ART",
+                        help="also score this compiled artifact of the recipe's TLM (any format, lowering or mix; "
+                             "repeatable), in the same windows, against the same float32")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
                         help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
@@ -313,21 +338,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     out_dir = args.out / recipe.name
-    rows, base_top1, base_nll, tokens, base_answers = [], None, None, None, None
+    rows, base_top1, base_nll, tokens, base_answers, reference = [], None, None, None, None, None
     prompts = list(recipe.prompts)
     generated = instructions(exclude=prompts)
     if not 0 <= args.instructions <= len(generated) // 2:  # the first ones make calibration texts
         parser.error(f"--instructions must be between 0 and {len(generated) // 2}")
     extra = generated[-args.instructions :] if args.instructions else []
     differing: dict[str, list] = {}
-    for name in chosen:
-        fmt = configs[name][0]
-        art = runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir))
-        built = config_recipe(recipe, configs[name])
-        shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
+    for name in [*chosen, *(f"artifact {p}" for p in args.artifact)]:
+        if name in configs:
+            fmt = configs[name][0]
+            art = runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir))
+            built = config_recipe(recipe, configs[name])
+            shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
+        else:
+            art = given_artifact(Path(name.split(" ", 1)[1]), reference, recipe.context_length)
+            fmt, shipped = art.manifest.models["tlm"].quant.get("format"), False
         if tokens is None:
-            tokens = held_out_tokens(art, args.text, args.tokens)
-        nll, top1 = score(art, tokens)
+            tokens, reference = held_out_tokens(art, args.text, args.tokens), art
+        nll, top1 = score(art, tokens, recipe.context_length)
         ppl = float(np.exp(nll.mean()))
         base_top1 = top1 if base_top1 is None else base_top1
         base_nll = nll if base_nll is None else base_nll
@@ -340,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
         if extra:
             same += f", {len(extra) - len(differs) + len(differing[name])}/{len(extra)} instructions"
-        rows.append({"name": " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+")),
+        short = " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+"))
+        rows.append({"name": short if name in configs else name,
                      "lowering": quant.get("lowering"),
                      "scale": quant.get("scale"), "feedback": bool(quant.get("calibration")),
                      "format": fmt, "perplexity": ppl, "same_answers": same,

@@ -275,9 +275,9 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
 
 
 def _validate_target_formats(spec: ModelSpec, where: str, target: str) -> None:
-    if spec.mx_format == "fp4_e2m1" and target == "ort-cuda" and spec.mx_lowering != "exact":
+    if spec.mx_format == "fp4_e2m1" and target == "ort-cuda" and spec.mx_lowering in ("native", "native8"):
         raise RecipeError(f"{where}: the ort-cuda target's MX kernel reads MXFP6 and MXINT8 only; use fp4_e2m1 on "
-                          "target ort-cpu, or mx_lowering = 'exact'")
+                          "target ort-cpu, or mx_lowering = 'fused' (MatMulNBits, 8-bit codes) or 'exact'")
 
 
 def validate(recipe: Recipe) -> Recipe:

@@ -308,8 +308,8 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
             "fused": f"com.microsoft.MatMulNBits bits=8 block_size=32 accuracy_level={ACCURACY_LEVEL}",
             "exact": "float32 MatMul on the MX values",
             GPU_LOWERING: f"{NATIVE_DOMAIN}.{MX_MATMUL_GPU} (CUDA) 6-bit codes, float16 activations",
-        }.get(lowering) or (f"{NATIVE_DOMAIN}.{MX_MATMUL} 4-bit codes, activations int8 per block of 32"
-                            if quant.get("format") == "fp4_e2m1"
+        }.get(lowering) or (f"{NATIVE_DOMAIN}.{MX_MATMUL} 4-bit codes with int8 activations per block of 32 "
+                            f"(MXINT8 weights: int{bits})" if quant.get("format") == "fp4_e2m1"
                             else f"{NATIVE_DOMAIN}.{MX_MATMUL} 6-bit codes, activations int{bits} per block of 32")
     entry = ModelEntry(
         source=info["source"],

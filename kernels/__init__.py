@@ -1,6 +1,6 @@
 """mxspd's native ONNX Runtime ops (kernels/*.cc), built by `pip install` where a C++ compiler is found:
 
-- `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight;
+- `ai.mxspd::MXMatMul` reads MXFP6 weights at 6.25 bits per weight, MXFP4 at 4.25, MXINT8 at 8.25;
 - `ai.mxspd::MXMatMulGPU` is the GPU target's MX matmul: its CUDA kernel (kernels/cuda/, a library of its own
   built with nvcc by `python -m kernels.cuda_build`) and, here, its CPU reference (for building and tests);
 - `ai.mxspd::RowMatMul` (float32 weights) and `ai.mxspd::Attention` compute every row with the same

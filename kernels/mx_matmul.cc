@@ -13,7 +13,7 @@
 // in the call (batch invariance: a token's logits do not depend on what else shares its call).
 //
 // Weight layout (kernels/layout.py writes it): output columns in groups of 16 (N padded with code 0),
-// W uint8 [G = ceil(N/16), K/32, 384 (MXFP6) or 512 (MXINT8)], S uint8 [G, K/32, 16] E8M0 exponents
+// W uint8 [G = ceil(N/16), K/32, 384 (MXFP6), 512 (MXINT8) or 256 (MXFP4)], S uint8 [G, K/32, 16] E8M0 exponents
 // (K padded to whole blocks with code 0). A group's block is 8 chunks; chunk q holds codes 4q..4q+3
 // of the 16 columns in the order the kernel multiplies them: its byte o (0..63) is code
 // 4q + 2 (o / 32) + o % 2 of column (o % 32) / 2, so each 32-bit lane holds one column's pair of
@@ -618,10 +618,11 @@ constexpr int kChunkBytes8 = 64;  // a chunk as int8: [the two ColumnOrder halve
 // Calls with at least this many rows take this path: where it was faster on a Zen 3 at Llama-2-7B's MLP
 // shape (MXFP6 1.06-1.11x at 16 rows, 0.91-0.95x at 8; MXINT8, whose one-row kernel's chunks cost it more
 // passes of loads, 1.14-1.15x at 8 rows; docs/benchmarks.md).
+// MXFP4 from 8 rows too: at 7 and 8 rows the two paths' cost per row was within a Zen 3's noise.
 template <int WBits>
 constexpr int kGemmMinRows2 = WBits == 6 ? 16 : 8;
 
-// The integer step of a tile: int16 (Int8 false) or biased int8 activations (MXFP6 weights only).
+// The integer step of a tile: int16 (Int8 false) or biased int8 activations (MXFP6 and MXFP4 weights).
 template <bool Int8>
 struct Avx2Tile {
   static constexpr int kRows = Int8 ? 4 : 3;  // rows per pass: their integer sums, the chunk's weights and

@@ -216,7 +216,8 @@ def test_mxfp4_is_refused_for_the_gpu_target_s_kernel():
     base = {"name": "x", "speculative": False, "target": "ort-cuda"}
     with pytest.raises(RecipeError, match="tlm: the ort-cuda target's MX kernel reads MXFP6 and MXINT8 only"):
         recipe_from_dict(base | {"tlm": {"model": "m", "mx_format": "fp4_e2m1"}})
-    recipe_from_dict(base | {"tlm": {"model": "m", "mx_format": "fp4_e2m1", "mx_lowering": "exact"}})
+    for lowering in ("fused", "exact"):
+        recipe_from_dict(base | {"tlm": {"model": "m", "mx_format": "fp4_e2m1", "mx_lowering": lowering}})
     recipe_from_dict(base | {"target": "ort-cpu", "tlm": {"model": "m", "mx_format": "fp4_e2m1"}})
 
 

@@ -337,6 +337,7 @@ def test_bad_shapes_are_refused_with_a_message():
     with pytest.raises(Exception, match="last dimension of A must equal attribute K"):
         session(model).run(None, {"a": np.ones((2, 65), np.float32)})
     bits = next(a for a in model.graph.node[0].attribute if a.name == "activation_bits")
+    layout = next(a for a in model.graph.node[0].attribute if a.name == "layout")
     bits.i = 4
     with pytest.raises(Exception, match="activation_bits must be 8 or 16"):
         session(model)
@@ -349,9 +350,12 @@ def test_bad_shapes_are_refused_with_a_message():
     bits.i = 8
     with pytest.raises(Exception, match="weight_bits 4 .MXFP4. needs activation_bits 8 and layout 2"):
         session(model)  # layout 0
-    bits.i = 16
+    layout.i = PLANES8
+    session(model)  # MXFP4 attributes, but MXFP6's 384 bytes a block
+    with pytest.raises(Exception, match=r"256 \(weight_bits 4\)"):
+        session(model).run(None, {"a": np.ones((2, 64), np.float32)})
+    bits.i, layout.i = 16, TRIPLES
     next(a for a in model.graph.node[0].attribute if a.name == "weight_bits").i = 6
-    layout = next(a for a in model.graph.node[0].attribute if a.name == "layout")
     layout.i = 3
     with pytest.raises(Exception, match="layout must be 0"):
         session(model)
@@ -418,16 +422,17 @@ def test_every_lowering_runs_an_mxint8_lm_head_on_its_mx_values(lowering):
 
 
 @pytest.mark.parametrize("lowering", ["native", "native8", "fused", "exact"])
-def test_every_lowering_runs_mxfp4_weights_on_their_mx_values(lowering):
+@pytest.mark.parametrize("k,n", [(96, 40), (70, 19)])  # whole blocks and groups; a padded K and an odd K x N
+def test_every_lowering_runs_mxfp4_weights_on_their_mx_values(lowering, k, n):
     """MXFP4 E2M1: standard FLOAT4 DequantizeLinear blocks (the ONNX reference gives exactly the MX values),
     then each lowering; both native ones become MXMatMul with 4-bit weights and int8 activations."""
     if lowering.startswith("native") and kernels.library_path() is None:
         pytest.skip("native kernel library not built here")
-    w = weights(96, 40)
+    w = weights(k, n)
     model = matmul_model(w)
     quantize_model(model, "fp4_e2m1")
     assert {t.name: t.data_type for t in model.graph.initializer}[WEIGHT + ".mx_codes"] == onnx.TensorProto.FLOAT4E2M1
-    x = np.random.default_rng(2).standard_normal((1, 3, 96)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((1, 3, k)).astype(np.float32)
     exact = x @ fake_quantize(w, "fp4_e2m1", axis=0)
     np.testing.assert_allclose(ReferenceEvaluator(model).run(None, {"x": x})[0], exact, rtol=1e-6)
     assert np.abs(exact - x @ w).max() > 1e-2 * np.abs(exact).max()  # 4 bits: far coarser than the float weights

@@ -361,3 +361,13 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     assert not mx["shipped"] and report["meta"]["gate"].startswith("fp6_e2m3 exact")  # tiny ships fused
     assert code == (0 if mx["ppl_ratio"] <= 1.01 else 1)
     assert f"[{v['low']:.4f}, {v['high']:.4f}]" in capsys.readouterr().out
+    # --artifact: any compiled build of the recipe's TLM, scored in the same windows against the same float32
+    built = tmp_path / "tiny-stdlib-spd" / "fp6_e2m3-exact-spec"
+    main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32", "--tokens", "1100", "--answer-tokens", "4",
+          "--artifact", str(built), "--out", str(tmp_path / "again")])
+    given = json.loads((tmp_path / "again" / "tiny-stdlib-spd" / "accuracy.json").read_text())["rows"][1]
+    assert given["name"] == f"artifact {built}" and given["ppl_ratio"] == mx["ppl_ratio"]
+    assert given["top1_agreement"] == mx["top1_agreement"]
+    with pytest.raises(SystemExit, match="--artifact .*missing"):
+        main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32", "--tokens", "1100", "--answer-tokens", "4",
+              "--artifact", str(tmp_path / "missing"), "--out", str(tmp_path / "again")])

@@ -521,6 +521,16 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
 // <= 2 x 60 x 127 = 15,240) add as int16 (<= 30,480: no saturation), then one vpmaddwd by ones widens
 // them to int32: the block's exact integer sums, so the bits are the int16 loop's on the same integers.
 // ~35 vector operations per 128 codes against ~58 for the int16 loop.
+// Row r's 4 activations of chunk q and their negations, each broadcast to every 32-bit lane (xb: the rows'
+// activations then their negations, 64 bytes a row): what planes8's and MXFP4's few-row loops blend by sign.
+__attribute__((target("avx2,fma"))) inline void row_quads_avx2(const int8_t* xb, int r, int q, __m256i* x, __m256i* n) {
+  int32_t x4, n4;
+  std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
+  std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
+  *x = _mm256_set1_epi32(x4);
+  *n = _mm256_set1_epi32(n4);
+}
+
 template <int Rows>
 __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
@@ -539,11 +549,9 @@ __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, in
       for (int reg = 0; reg < 4; ++reg) {  // chunk q2 + reg / 2, columns of ColumnOrder half reg % 2
         const int q = q2 + reg / 2, h = reg % 2;
         for (int r = 0; r < Rows; ++r) {
-          int32_t x4, n4;
-          std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
-          std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
-          const __m256i prod = _mm256_maddubs_epi16(
-              mag[reg], _mm256_blendv_epi8(_mm256_set1_epi32(x4), _mm256_set1_epi32(n4), sign[reg]));
+          __m256i x, n;
+          row_quads_avx2(xb, r, q, &x, &n);
+          const __m256i prod = _mm256_maddubs_epi16(mag[reg], _mm256_blendv_epi8(x, n, sign[reg]));
           s16[r][h] = reg < 2 ? prod : _mm256_add_epi16(s16[r][h], prod);
         }
       }
@@ -580,10 +588,8 @@ __attribute__((target("avx2,fma"))) void group_avx2_fp4(const Problem<4>& p, int
                               _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4))};
       const __m256i sign[2] = {_mm256_slli_epi16(v, 4), v};
       for (int r = 0; r < Rows; ++r) {
-        int32_t x4, n4;
-        std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
-        std::memcpy(&n4, xb + r * 2 * kBlock + kBlock + 4 * q, 4);
-        const __m256i x = _mm256_set1_epi32(x4), n = _mm256_set1_epi32(n4);
+        __m256i x, n;
+        row_quads_avx2(xb, r, q, &x, &n);
         for (int h = 0; h < 2; ++h)
           s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(mag[h], _mm256_blendv_epi8(x, n, sign[h])));
       }

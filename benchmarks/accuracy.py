@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 import runtime
+from benchmarks.bandwidth import weight_bytes_per_call
 from benchmarks.intervals import perplexity_ratio_interval
-from benchmarks.peers import Genai, llama_cpp_module, llama_file
+from benchmarks.peers import Genai, llama_cpp_module, llama_file, matrix_bits
 from benchmarks.variants import build_cached, variant, with_settings
 from common.manifest import ArtifactError
 from common.recipe import selects_head
@@ -45,16 +46,21 @@ from recipes.ngram_draft import instructions
 
 # Other TLM settings, whatever the recipe says: every decoder weight in the MX format with a float32 LM
 # head; the LM head in the MX format too; the LM head in MXINT8 (8.25 bits per weight; the default).
-PLAIN = {"mx_int8": (), "mx_lm_head": "float32"}
-HEAD6 = {"mx_int8": (), "mx_lm_head": "format"}
-HEAD8 = {"mx_int8": (), "mx_lm_head": "int8"}
-ALL_INT8 = {"mx_int8": ("proj",), "mx_lm_head": "int8"}  # every decoder linear and the head in MXINT8
+PLAIN = {"mx_int8": (), "mx_fp6": (), "mx_lm_head": "float32"}
+HEAD6 = {"mx_int8": (), "mx_fp6": (), "mx_lm_head": "format"}
+HEAD8 = {"mx_int8": (), "mx_fp6": (), "mx_lm_head": "int8"}
+ALL_INT8 = {"mx_int8": ("proj",), "mx_fp6": (), "mx_lm_head": "int8"}  # every decoder linear and the head in MXINT8
 # The tensors that cost SmolLM2 most agreement in MXFP6 (docs/formats.md), in MXINT8: attention, the MLP's
 # down projection, the last layer and the head.
-SENSITIVE8 = {"mx_int8": ("self_attn", "down_proj", "layers.29."), "mx_lm_head": "int8"}
+SENSITIVE = ("self_attn", "down_proj", "layers.29.")
+SENSITIVE8 = {"mx_int8": SENSITIVE, "mx_fp6": (), "mx_lm_head": "int8"}
 # At four bits, the tensors llama.cpp's Q4_K_M keeps finer (attention's value and the MLP's down projections), in
 # MXINT8, and the head.
-V_DOWN8 = {"mx_int8": ("v_proj", "down_proj"), "mx_lm_head": "int8"}
+V_DOWN8 = {"mx_int8": ("v_proj", "down_proj"), "mx_fp6": (), "mx_lm_head": "int8"}
+# At four bits, the same tensors in MXFP6 (mx_fp6) instead: the head MXINT8 or MXFP6 (as Q4_K_M's Q6_K head).
+SENSITIVE6 = {"mx_int8": (), "mx_fp6": SENSITIVE, "mx_lm_head": "int8"}
+SENSITIVE6_HEAD6 = SENSITIVE6 | {"mx_lm_head": "fp6"}
+V_DOWN6_HEAD6 = {"mx_int8": (), "mx_fp6": ("v_proj", "down_proj"), "mx_lm_head": "fp6"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)
@@ -82,6 +88,9 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp4_e2m1 native min_error +head8": ("fp4_e2m1", "native", "min_error", HEAD8),
     "fp4_e2m1 native min_error +v_down8": ("fp4_e2m1", "native", "min_error", V_DOWN8),
     "fp4_e2m1 native min_error +sensitive8": ("fp4_e2m1", "native", "min_error", SENSITIVE8),
+    "fp4_e2m1 native min_error +sensitive6": ("fp4_e2m1", "native", "min_error", SENSITIVE6),
+    "fp4_e2m1 native min_error +sensitive6 +head6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_HEAD6),
+    "fp4_e2m1 native min_error +v_down6 +head6": ("fp4_e2m1", "native", "min_error", V_DOWN6_HEAD6),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -184,11 +193,43 @@ def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
     return np.asarray(ids[:limit], dtype=np.int64)
 
 
-def judge(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Negative log-likelihood of each row's target, and each row's argmax."""
+class Divergence:
+    """KL(p_fp32 || p) per scored token. The first system scored (float32) leaves its log-probabilities in a
+    file (tokens x vocabulary: 1.6 GB at 8,192 tokens of SmolLM2, too many to hold beside a model), and each
+    later one is read against them, position by position in the same order (`start` before each system)."""
+
+    def __init__(self, file: Path, positions: int) -> None:
+        self.file, self.positions = file, positions
+        self.logp: np.ndarray | None = None
+        self.recording, self.at = True, 0
+
+    def start(self) -> None:
+        self.recording, self.at = self.logp is None, 0
+
+    def __call__(self, logp: np.ndarray) -> np.ndarray:
+        if self.logp is None:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self.logp = np.lib.format.open_memmap(self.file, mode="w+", dtype=np.float32,
+                                                  shape=(self.positions, logp.shape[-1]))
+        rows = slice(self.at, self.at + len(logp))
+        self.at += len(logp)
+        if self.recording:
+            self.logp[rows] = logp
+            return np.zeros(len(logp))  # by definition (its float32 copy would differ in the last bits)
+        p = self.logp[rows].astype(np.float64)
+        return (np.exp(p) * (p - logp)).sum(-1)
+
+    def close(self) -> None:
+        self.logp = None
+        self.file.unlink(missing_ok=True)
+
+
+def judge(logits: np.ndarray, targets: np.ndarray, divergence: Divergence
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Negative log-likelihood of each row's target, each row's argmax and its KL divergence from float32's."""
     logits = logits.astype(np.float64)
-    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    return logz - logits[np.arange(len(targets)), targets], logits.argmax(-1)
+    logp = logits - (np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1))[:, None]
+    return -logp[np.arange(len(targets)), targets], logits.argmax(-1), divergence(logp)
 
 
 def windows(tokens: np.ndarray, window: int, chunk: int):
@@ -200,59 +241,65 @@ def windows(tokens: np.ndarray, window: int, chunk: int):
             yield w, seq[c : min(c + chunk, len(seq) - 1)], seq[c + 1 : min(c + 1 + chunk, len(seq))]
 
 
-def scored(chunks) -> tuple[np.ndarray, np.ndarray]:
-    nll, top1 = zip(*chunks, strict=True)
-    return np.concatenate(nll), np.concatenate(top1)
+Scores = tuple[np.ndarray, np.ndarray, np.ndarray]  # per scored token: negative log-likelihood, argmax, KL
 
 
-def score(art, tokens: np.ndarray, window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token negative log-likelihood and argmax, teacher-forced through the prefill graph, in windows of
+def scored(chunks) -> Scores:
+    nll, top1, kl = zip(*chunks, strict=True)
+    return np.concatenate(nll), np.concatenate(top1), np.concatenate(kl)
+
+
+def score(art, tokens: np.ndarray, divergence: Divergence, window: int | None = None) -> Scores:
+    """Per-token negative log-likelihood, argmax and KL, teacher-forced through the prefill graph, in windows of
     `window` positions (default: the artifact's context)."""
     runner, last = art.tlm, None
 
-    def chunk(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def chunk(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         nonlocal last
         if w != last:
             runner.rewind(0)
             last = w
-        return judge(runner.forward("prefill", inputs), targets)
+        return judge(runner.forward("prefill", inputs), targets, divergence)
 
+    divergence.start()
     return scored(chunk(*c) for c in windows(tokens, window or art.manifest.context_length, art.manifest.prefill_chunk))
 
 
-def genai_score(model, tokens: np.ndarray, window: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def genai_score(model, tokens: np.ndarray, window: int, chunk: int, divergence: Divergence) -> Scores:
     """`score` for an onnxruntime-genai model: the same windows and chunks, its own KV cache."""
     import onnxruntime_genai as og
 
     gen, last = None, None
 
-    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         nonlocal gen, last
         if w != last:
             params = og.GeneratorParams(model)
             params.set_search_options(max_length=window + 1, do_sample=False)
             gen, last = og.Generator(model, params), w
         gen.append_tokens(inputs.tolist())
-        return judge(gen.get_output("logits")[0, -len(inputs):], targets)
+        return judge(gen.get_output("logits")[0, -len(inputs):], targets, divergence)
 
+    divergence.start()
     return scored(one(*c) for c in windows(tokens, window, chunk))
 
 
-def llama_score(path: Path, tokens: np.ndarray, window: int, chunk: int, threads: int = 2
-                ) -> tuple[np.ndarray, np.ndarray]:
+def llama_score(path: Path, tokens: np.ndarray, window: int, chunk: int, divergence: Divergence, threads: int = 2
+                ) -> Scores:
     """`score` for a llama.cpp model file: the same windows and chunks, its own KV cache."""
     llm = llama_cpp_module().Llama(str(path), n_ctx=window, n_batch=chunk, logits_all=True, n_threads=threads,
                              n_threads_batch=threads, verbose=False)
     last = None
 
-    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def one(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         nonlocal last
         if w != last:
             llm.reset()
             last = w
         llm.eval(inputs.tolist())
-        return judge(np.asarray(llm.scores[llm.n_tokens - len(inputs) : llm.n_tokens]), targets)
+        return judge(np.asarray(llm.scores[llm.n_tokens - len(inputs) : llm.n_tokens]), targets, divergence)
 
+    divergence.start()
     return scored(one(*c) for c in windows(tokens, window, chunk))
 
 
@@ -260,6 +307,20 @@ def answers(art, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy answers to the recipe's prompts (its chat template applies), no speculation."""
     return [runtime.generate(art, p, max_new_tokens=max_new_tokens, do_sample=False, speculative=False).text
             for p in prompts]
+
+
+def measures(scores: Scores, base: Scores) -> dict:
+    """A system's scores against float32's: perplexity and its ratio (with its interval), KL, top-1 agreement."""
+    (nll, top1, kl), (base_nll, base_top1, _) = scores, base
+    ppl = float(np.exp(nll.mean()))
+    return {"perplexity": ppl, "ppl_ratio": ppl / float(np.exp(base_nll.mean())),
+            "ppl_interval": perplexity_ratio_interval(nll, base_nll, BLOCK), "kl_mean": float(kl.mean()),
+            "kl_p99": float(np.quantile(kl, 0.99)), "top1_agreement": float((top1 == base_top1).mean())}
+
+
+def printed(label: str, row: dict, more: str = "") -> None:
+    print(f"{label:26s} perplexity {row['perplexity']:.4f} ({row['ppl_ratio']:.4f}x {interval_text(row)})  "
+          f"KL {row['kl_mean']:.4f}  top-1 agreement {row['top1_agreement']:.4f}{more}")
 
 
 def interval_text(r: dict) -> str:
@@ -271,21 +332,20 @@ def interval_text(r: dict) -> str:
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# MXFP6 accuracy: {meta['recipe']} ({meta['tokens']} held-out tokens, {meta['text']})", "",
-        "| weights | lowering | block exponent | perplexity | vs fp32 | 95% interval | top-1 agreement with fp32 "
-        "| with its own float32 | answers as fp32 | weight bytes vs fp16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| weights | lowering | block exponent | perplexity | vs fp32 | 95% interval | KL mean / p99 (nats) "
+        "| top-1 agreement with fp32 | with its own float32 | answers as fp32 | bits per weight |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "unavailable" in r:
-            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | | | |")
+            lines.append(f"| {r['name']} | - | - | not available: {r['unavailable']} | | | | | | | |")
             continue
-        ratio = {None: "2.000 (fp32)", "-": "-"}.get(r["size_vs_fp16"]) or f"{r['size_vs_fp16']:.3f}"
+        bits = "-" if r["bits_per_weight"] is None else f"{r['bits_per_weight']:.2f}"
         own = "-" if r.get("top1_own") is None else f"{100 * r['top1_own']:.2f}%"
         scale = (r["scale"] or "-") + (" + feedback" if r.get("feedback") else "")
         lines.append(f"| {r['name']} | {r['lowering'] or '-'} | {scale} | {r['perplexity']:.4f} | "
-                     f"{r['ppl_ratio']:.4f}x | {interval_text(r)} | {100 * r['top1_agreement']:.2f}% | {own} "
-                     f"| {r['same_answers']} "
-                     f"| {ratio} |")
+                     f"{r['ppl_ratio']:.4f}x | {interval_text(r)} | {r['kl_mean']:.4f} / {r['kl_p99']:.3f} "
+                     f"| {100 * r['top1_agreement']:.2f}% | {own} | {r['same_answers']} | {bits} |")
     verdict = {True: "PASS", False: "FAIL", None: "not run (its config was not chosen)"}[meta["gate_pass"]]
     interval = meta.get("gate_interval")
     if interval and interval["low"] <= GATE <= interval["high"]:
@@ -294,7 +354,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", f"Gate: {meta['gate']}: **{verdict}**.", "",
               f"95% interval of each perplexity ratio: batch means over blocks of {meta['block']} tokens, how far "
               "another stretch of such text could move it; where it holds the gate, this text alone cannot tell "
-              "the ratio from the gate.", "",
+              "the ratio from the gate. KL: of each token's next-token distribution from float32's, over the whole "
+              "vocabulary. Bits per weight: over every matrix a token reads (the decoder's linears and the LM head, "
+              "as stored).", "",
               f"Answers: greedy, {meta['answer_tokens']} new tokens, to the recipe's {meta['prompts']} prompts"
               + (f" and {meta['instructions']} generated instructions" if meta["instructions"] else "") + "; "
               "a differing answer is listed with fp32's (the recipe's prompts only).", ""]
@@ -338,73 +400,71 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     out_dir = args.out / recipe.name
-    rows, base_top1, base_nll, tokens, base_answers, reference = [], None, None, None, None, None
+    rows, base, tokens, base_answers, reference, divergence, fp32_bytes = [], None, None, None, None, None, 0
     prompts = list(recipe.prompts)
     generated = instructions(exclude=prompts)
     if not 0 <= args.instructions <= len(generated) // 2:  # the first ones make calibration texts
         parser.error(f"--instructions must be between 0 and {len(generated) // 2}")
     extra = generated[-args.instructions :] if args.instructions else []
     differing: dict[str, list] = {}
-    for name in [*chosen, *(f"artifact {p}" for p in args.artifact)]:
-        if name in configs:
-            fmt = configs[name][0]
-            art = runtime.load_artifact(config_artifact(recipe, name, configs[name], out_dir))
-            built = config_recipe(recipe, configs[name])
-            shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
-        else:
-            art = given_artifact(Path(name.split(" ", 1)[1]), reference, recipe.context_length)
-            fmt, shipped = art.manifest.models["tlm"].quant.get("format"), False
-        if tokens is None:
-            tokens, reference = held_out_tokens(art, args.text, args.tokens), art
-        nll, top1 = score(art, tokens, recipe.context_length)
-        ppl = float(np.exp(nll.mean()))
-        base_top1 = top1 if base_top1 is None else base_top1
-        base_nll = nll if base_nll is None else base_nll
-        base_ppl = float(np.exp(base_nll.mean()))
-        said = answers(art, prompts + extra, args.answer_tokens)
-        base_answers = said if base_answers is None else base_answers
-        differs = [(p, a, b) for p, a, b in zip(prompts + extra, said, base_answers, strict=True) if a != b]
-        differing[name] = differs[: sum(p in prompts for p, _, _ in differs)]  # the recipe's prompts come first
-        quant = art.manifest.models["tlm"].quant
-        same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
-        if extra:
-            same += f", {len(extra) - len(differs) + len(differing[name])}/{len(extra)} instructions"
-        short = " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+"))
-        rows.append({"name": short if name in configs else name,
-                     "lowering": quant.get("lowering"),
-                     "scale": quant.get("scale"), "feedback": bool(quant.get("calibration")),
-                     "format": fmt, "perplexity": ppl, "same_answers": same,
-                     "ppl_ratio": ppl / base_ppl, "top1_agreement": float((top1 == base_top1).mean()),
-                     "ppl_interval": perplexity_ratio_interval(nll, base_nll, BLOCK), "shipped": shipped,
-                     "size_vs_fp16": quant.get("ratio_to_fp16"), "kernel": quant.get("kernel")})
-        rows[-1]["top1_own"] = rows[-1]["top1_agreement"]
-        agree = rows[-1]["top1_agreement"]
-        print(f"{name:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x {interval_text(rows[-1])})  "
-              f"top-1 agreement {agree:.4f}")
-    genai = sorted(filter(None, args.genai.split(",")), key=lambda p: p != "fp32")  # its own reference first
-    families = [(f"onnxruntime-genai {p}", "genai", p, "fp32") for p in genai]
-    llama = sorted(filter(None, args.llamacpp.split(",")), key=lambda f: f != "F32")  # its own reference first
-    families += [(f"llama.cpp {f}", "llama.cpp", f, "F32") for f in llama]
-    own_top1: dict[str, np.ndarray] = {}  # each peer's own float32 argmax
-    for label, system, precision, reference in families:
-        source = gguf_file(recipe.tlm.model)
-        if system == "genai":
-            nll, top1 = genai_score(Genai(source, precision, threads=2).model, tokens, recipe.context_length,
-                                    recipe.prefill_chunk)
-        else:
-            nll, top1 = llama_score(llama_file(source, precision), tokens, recipe.context_length, recipe.prefill_chunk)
-        if precision == reference:
-            own_top1[system] = top1
-        ppl = float(np.exp(nll.mean()))
-        own = float((top1 == own_top1[system]).mean()) if system in own_top1 else None
-        agree = float((top1 == base_top1).mean())
-        rows.append({"name": label, "lowering": system, "scale": None, "format": precision, "perplexity": ppl,
-                     "same_answers": "-", "ppl_ratio": ppl / base_ppl, "top1_agreement": agree,
-                     "ppl_interval": perplexity_ratio_interval(nll, base_nll, BLOCK),
-                     "top1_own": own, "size_vs_fp16": "-"})
-        print(f"{label:26s} perplexity {ppl:.4f} ({ppl / base_ppl:.4f}x {interval_text(rows[-1])})  "
-              f"top-1 agreement {agree:.4f}"
-              + (f" (with its own {reference}: {own:.4f})" if own is not None else ""))
+    try:
+        for name in [*chosen, *(f"artifact {p}" for p in args.artifact)]:
+            if name in configs:
+                fmt = configs[name][0]
+                path = config_artifact(recipe, name, configs[name], out_dir)
+                art = runtime.load_artifact(path)
+                built = config_recipe(recipe, configs[name])
+                shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
+            else:
+                path = Path(name.split(" ", 1)[1])
+                art = given_artifact(path, reference, recipe.context_length)
+                fmt, shipped = art.manifest.models["tlm"].quant.get("format"), False
+            if tokens is None:
+                tokens, reference = held_out_tokens(art, args.text, args.tokens), art
+                fp32_bytes = weight_bytes_per_call(path, "tlm")
+                divergence = Divergence(out_dir / "fp32-logprobs.npy", len(tokens) - 1)
+            scores = score(art, tokens, divergence, recipe.context_length)
+            base = base or scores
+            said = answers(art, prompts + extra, args.answer_tokens)
+            base_answers = said if base_answers is None else base_answers
+            differs = [(p, a, b) for p, a, b in zip(prompts + extra, said, base_answers, strict=True) if a != b]
+            differing[name] = differs[: sum(p in prompts for p, _, _ in differs)]  # the recipe's prompts come first
+            quant = art.manifest.models["tlm"].quant
+            same = f"{len(prompts) - len(differing[name])}/{len(prompts)}"
+            if extra:
+                same += f", {len(extra) - len(differs) + len(differing[name])}/{len(extra)} instructions"
+            short = " ".join(w for i, w in enumerate(name.split()) if i == 0 or w.startswith("+"))
+            rows.append({"name": short if name in configs else name, "lowering": quant.get("lowering"),
+                         "scale": quant.get("scale"), "feedback": bool(quant.get("calibration")),
+                         "format": fmt, "same_answers": same, "shipped": shipped, "kernel": quant.get("kernel"),
+                         # float32 reads 4 bytes per matrix weight
+                         "bits_per_weight": 32 * weight_bytes_per_call(path, "tlm") / fp32_bytes}
+                        | measures(scores, base))
+            rows[-1]["top1_own"] = rows[-1]["top1_agreement"]
+            printed(name, rows[-1])
+        genai = sorted(filter(None, args.genai.split(",")), key=lambda p: p != "fp32")  # its own reference first
+        families = [(f"onnxruntime-genai {p}", "genai", p, "fp32") for p in genai]
+        llama = sorted(filter(None, args.llamacpp.split(",")), key=lambda f: f != "F32")  # its own reference first
+        families += [(f"llama.cpp {f}", "llama.cpp", f, "F32") for f in llama]
+        own_top1: dict[str, np.ndarray] = {}  # each peer's own float32 argmax
+        for label, system, precision, own_reference in families:
+            source, bits = gguf_file(recipe.tlm.model), None
+            if system == "genai":
+                scores = genai_score(Genai(source, precision, threads=2).model, tokens, recipe.context_length,
+                                     recipe.prefill_chunk, divergence)
+            else:
+                file = llama_file(source, precision)
+                scores, bits = llama_score(file, tokens, recipe.context_length, recipe.prefill_chunk,
+                                           divergence), matrix_bits(file)
+            if precision == own_reference:
+                own_top1[system] = scores[1]
+            own = float((scores[1] == own_top1[system]).mean()) if system in own_top1 else None
+            rows.append({"name": label, "lowering": system, "scale": None, "format": precision, "same_answers": "-",
+                         "top1_own": own, "bits_per_weight": bits} | measures(scores, base))
+            printed(label, rows[-1], f" (with its own {own_reference}: {own:.4f})" if own is not None else "")
+    finally:
+        if divergence is not None:
+            divergence.close()
     rows += [{"name": n.split()[0], "unavailable": why} for n, why in NOT_AVAILABLE.items()]
     gated = recipe.tlm.mx_format or "fp6_e2m3"
     exact = (r for r in rows if r.get("format") == gated and r["lowering"] == "exact"

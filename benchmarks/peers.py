@@ -50,12 +50,26 @@ def llama_file(source: Path, fmt: str) -> Path:
     return out
 
 
-def streamed_bytes(path: Path) -> int:
-    """Bytes of a llama.cpp file a decode step reads: all of it but the token embedding table (one row)."""
+def _streamed(path: Path) -> list:
+    """The tensors of a llama.cpp file a decode step reads whole: all but the token embedding table (one row is
+    gathered), unless the model ties its output matrix to that table (no output.weight: the table is the head)."""
     from gguf import GGUFReader
 
-    table = next((int(t.n_bytes) for t in GGUFReader(path).tensors if t.name == "token_embd.weight"), 0)
-    return path.stat().st_size - table
+    tensors = GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return [t for t in tensors if tied or t.name != "token_embd.weight"]
+
+
+def streamed_bytes(path: Path) -> int:
+    """Bytes of a llama.cpp file a decode step reads."""
+    return sum(int(t.n_bytes) for t in _streamed(path))
+
+
+def matrix_bits(path: Path) -> float:
+    """Bits per weight of a llama.cpp file over the matrices a decode step multiplies (its decoder's and the
+    output matrix), as benchmarks.accuracy counts ours."""
+    matrices = [t for t in _streamed(path) if len(t.shape) == 2]
+    return 8 * sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
 
 
 def llama_path(source: Path, fmt: str, checkpoint: Path | None) -> Path:

@@ -25,8 +25,10 @@ MX_SCALES = ("spec", "min_error")
 # How a model with MX weights stores its LM head and its token embedding table, both read every token
 # (at Llama-2-7B widths a float32 head is 524 of the 1,155 MB one decode step reads): MXINT8 (8.25 bits
 # per weight; the default: on SmolLM2 an MXINT8 head kept top-1 agreement with float32 at 90.2% where an
-# MXFP6 head fell to 85.7%, docs/formats.md), the head in the recipe's own mx_format, or float32.
-MX_LM_HEADS = ("int8", "format", "float32")
+# MXFP6 head fell to 85.7%, docs/formats.md), MXFP6 E2M3 (6.25 bits, whatever mx_format), the head in the
+# recipe's own mx_format, or float32.
+MX_LM_HEADS = ("int8", "fp6", "format", "float32")
+MX_FP6 = "fp6_e2m3"  # the format of a recipe's mx_fp6 tier (and of mx_lm_head = "fp6")
 MX_EMBEDDINGS = ("int8", "float32")
 LM_HEAD_WEIGHT = "lm_head.weight.T"  # the LM head's MatMul weight in the exported graphs
 TARGETS = ("ort-cpu", "ort-cuda")
@@ -57,6 +59,9 @@ class ModelSpec:
     # Name fragments of the weights stored MXINT8 (8.25 bits per weight) instead of mx_format:
     # e.g. "down_proj" or "layers.0." for sensitive ones (the LM head: mx_lm_head).
     mx_int8: tuple[str, ...] = ()
+    # Name fragments of the weights stored MXFP6 E2M3 (6.25 bits) instead of mx_format (MXFP4 or E3M2): a tier
+    # between four and eight bits; where mx_int8 names a weight too, MXINT8 wins.
+    mx_fp6: tuple[str, ...] = ()
     # A text the model reads so that the MX quantizer rounds with error feedback (GPTQ-style,
     # quant/error_feedback.py): builtin:NAME (recipes/builtin/NAME.txt) or a path; "": round to nearest.
     mx_calibration: str = ""
@@ -75,6 +80,12 @@ class ModelSpec:
         """Name fragments of the weights stored MXINT8: mx_int8's, and the LM head's where it is MXINT8."""
         head = ("lm_head",) if self.mx_lm_head == "int8" and not selects_head(self.mx_int8) else ()
         return self.mx_int8 + head
+
+    @property
+    def mx_fp6_fragments(self) -> tuple[str, ...]:
+        """Name fragments of the weights stored MXFP6 E2M3: mx_fp6's, and the LM head's where it is MXFP6."""
+        head = ("lm_head",) if self.mx_lm_head == "fp6" and not selects_head(self.mx_fp6) else ()
+        return self.mx_fp6 + head
 
     @property
     def mx_table(self) -> bool:
@@ -198,8 +209,8 @@ class Recipe:
 def with_mx_format(spec: ModelSpec, mx_format: str | None) -> ModelSpec:
     """`spec` in another MX format; None (float weights) drops the settings that only MX weights have."""
     if mx_format is None:
-        return replace(spec, mx_format=None, mx_int8=(), mx_calibration="")
-    return replace(spec, mx_format=mx_format)
+        return replace(spec, mx_format=None, mx_int8=(), mx_fp6=(), mx_calibration="")
+    return replace(spec, mx_format=mx_format, mx_fp6=() if mx_format == MX_FP6 else spec.mx_fp6)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -220,8 +231,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
                 raise RecipeError(f"{path}: expected a list of strings")
             value = tuple(value)
         elif key in ("mx_lm_head", "mx_embedding") and isinstance(value, bool):
-            raise RecipeError(f'{path}: expected a string, "int8" (the default) or "float32"' +
-                              (' or "format"' if key == "mx_lm_head" else "") + ", not a boolean (its earlier form)")
+            values = ', "fp6", "format"' if key == "mx_lm_head" else ""
+            raise RecipeError(f'{path}: expected a string, "int8" (the default){values} or "float32", not a boolean '
+                              "(its earlier form)")
         else:
             _check_scalar(kind, value, path)
         kwargs[key] = value
@@ -249,20 +261,27 @@ def _validate_model(spec: ModelSpec, where: str) -> None:
         raise RecipeError(f"{where}.dtype: {spec.dtype!r} is not one of {DTYPES}")
     if spec.mx_format is not None and spec.mx_format not in MX_FORMATS:
         raise RecipeError(f"{where}.mx_format: {spec.mx_format!r} is not one of {MX_FORMATS}")
-    if spec.mx_format is None and (spec.mx_int8 or spec.mx_calibration):
-        raise RecipeError(f"{where}: mx_int8 and mx_calibration need mx_format (MX weights) to be set")
+    if spec.mx_format is None and (spec.mx_int8 or spec.mx_fp6 or spec.mx_calibration):
+        raise RecipeError(f"{where}: mx_int8, mx_fp6 and mx_calibration need mx_format (MX weights) to be set")
+    if spec.mx_format == MX_FP6 and spec.mx_fp6:
+        raise RecipeError(f"{where}.mx_fp6: the weights are {MX_FP6} already (mx_format); the tier is for "
+                          "mx_format fp4_e2m1 or fp6_e3m2")
     if spec.mx_lm_head not in MX_LM_HEADS:
         raise RecipeError(f"{where}.mx_lm_head: {spec.mx_lm_head!r} is not one of {MX_LM_HEADS}")
     if spec.mx_embedding not in MX_EMBEDDINGS:
         raise RecipeError(f"{where}.mx_embedding: {spec.mx_embedding!r} is not one of {MX_EMBEDDINGS}")
+    for key in ("mx_int8", "mx_fp6"):
+        if any(not f for f in getattr(spec, key)):
+            raise RecipeError(f"{where}.{key}: an empty name fragment would select every weight")
     if spec.mx_lm_head != "int8" and selects_head(spec.mx_int8):
         raise RecipeError(f"{where}: mx_int8 {list(spec.mx_int8)} names the LM head, but mx_lm_head is "
                           f"{spec.mx_lm_head!r}: set mx_lm_head = \"int8\" (the default) instead")
     if spec.mx_calibration_tokens < MIN_CALIBRATION_TOKENS:
         raise RecipeError(f"{where}.mx_calibration_tokens: must be >= {MIN_CALIBRATION_TOKENS}, "
                           f"got {spec.mx_calibration_tokens}")
-    if any(not f for f in spec.mx_int8):
-        raise RecipeError(f"{where}.mx_int8: an empty name fragment would select every weight")
+    if spec.mx_lm_head != "fp6" and selects_head(spec.mx_fp6):
+        raise RecipeError(f"{where}: mx_fp6 {list(spec.mx_fp6)} names the LM head, but mx_lm_head is "
+                          f"{spec.mx_lm_head!r}: set mx_lm_head = \"fp6\" instead")
     if spec.mx_scale not in MX_SCALES:
         raise RecipeError(f"{where}.mx_scale: {spec.mx_scale!r} is not one of {MX_SCALES}")
     if spec.mx_lowering not in MX_LOWERINGS:

@@ -77,7 +77,7 @@ def weight_passes(spec: ModelSpec, model_dir: Path, context_length: int, progres
     passes = []
     if spec.mx_format is not None:
         mx = MXPass(spec.mx_format, spec.mx_head, scale=spec.mx_scale, int8=spec.mx_int8_fragments,
-                    embedding=spec.mx_table)
+                    fp6=spec.mx_fp6_fragments, embedding=spec.mx_table)
         if spec.mx_calibration:
             mx.hessians, mx.calibration = calibrate(spec.mx_calibration, spec.mx_calibration_tokens, model_dir,
                                                     context_length, lambda name: selected(name, mx.lm_head), progress)

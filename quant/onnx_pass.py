@@ -10,6 +10,7 @@ so the compiler lowers it per target. Norms stay as they are, and embeddings unl
 Weights a recipe names as sensitive (`mx_int8`, "lm_head" among them) are MXINT8 instead: INT8
 codes k with value k * 2^-6 * 2^(e-127); the graph stores the exponent e - 6 (INT8_EXPONENT_SHIFT)
 so that a standard DequantizeLinear (k * scale) gives exactly the MX value.
+Those it names in `mx_fp6` are MXFP6 E2M3 (a tier between MXFP4 and MXINT8); MXINT8 wins where both do.
 
 On request (`embedding`), the token embedding table E[V, K] (read by a Gather of the input ids) is
 MXINT8 too, blocked along K: INT8 codes [V, K], scales [V, ceil(K/32)], `DequantizeLinear(axis=1)`.
@@ -38,6 +39,7 @@ from onnx import helper, numpy_helper
 from common.graph_io import MX_BASE_OPSET_KEY as BASE_OPSET_KEY
 from common.graph_io import MX_BLOCK as BLOCK
 from common.onnx_store import default_opset, embedding_tables, matmul_weights, rewrite_graph, set_default_opset
+from common.recipe import MX_FP6 as FP6  # the mx_fp6 tier's format
 from quant.error_feedback import feedback_factor, quantize_with_feedback
 from quant.mx import quantize
 from quant.packing import pack_fp4, pack_fp6
@@ -63,6 +65,8 @@ class QuantSummary:
     embedding: bool  # the token embedding table is MXINT8 (not counted in tensors, elements, bytes)
     int8: tuple[str, ...]  # name fragments of the weights stored MXINT8 instead of `format`
     int8_tensors: int
+    fp6: tuple[str, ...]  # name fragments of the weights stored MXFP6 E2M3 instead of `format` (and not MXINT8)
+    fp6_tensors: int
     calibration: str  # what the error feedback's input statistics came from ("": rounded to nearest)
     tensors: int
     elements: int
@@ -145,32 +149,38 @@ class MXPass:
     """Selected MatMul weights -> MX codes, E8M0 scales and a DequantizeLinear named as the weight.
 
     `int8`: name fragments (e.g. "lm_head", "layers.0.", "down_proj") of the weights stored MXINT8
-    instead of `fmt`; "lm_head" also selects the LM head. `hessians`, when set: each weight's input
+    instead of `fmt`; "lm_head" also selects the LM head. `fp6`: likewise MXFP6 E2M3, where `int8` does
+    not name the weight too. `hessians`, when set: each weight's input
     statistics (export/calibration.py), for rounding with error feedback (quant/error_feedback.py)
     instead of to nearest, each dropped once used; `calibration` says where they came from.
     `embedding`: the token embedding table too, MXINT8 rounded to nearest (it is gathered, not
     multiplied, so error feedback has nothing to compensate with)."""
 
     def __init__(self, fmt: str = "fp6_e2m3", lm_head: bool = False, rounding: str = "even",
-                 scale: str = "spec", int8: tuple[str, ...] = (), embedding: bool = False) -> None:
+                 scale: str = "spec", int8: tuple[str, ...] = (), embedding: bool = False,
+                 fp6: tuple[str, ...] = ()) -> None:
         if fmt not in ONNX_TYPES:
             raise ValueError(f"MX format {fmt!r} has no ONNX graph form; choose one of {sorted(ONNX_TYPES)}")
-        self.fmt, self.rounding, self.scale, self.int8 = fmt, rounding, scale, tuple(int8)
+        self.fmt, self.rounding, self.scale = fmt, rounding, scale
+        self.tiers = {"int8": tuple(int8), FP6: tuple(fp6)}  # in precedence order
         self.hessians: dict[str, np.ndarray] | None = None  # set by the exporter where a recipe calibrates
         self.calibration = ""
         self._last: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]] | None = None
-        self.lm_head = lm_head or any(f in LM_HEAD for f in self.int8)
+        self.lm_head = lm_head or any(f in LM_HEAD for f in int8 + fp6)
         self.embedding = embedding
         self.quantized: dict[str, tuple[str, str]] = {}  # weight -> (codes, scales) names
         self.tables: dict[str, tuple[str, str]] = {}  # embedding tables -> (codes, scales) names
-        self.elements = self.stored_bytes = self.int8_tensors = 0
-        self.matched: set[str] = set()  # the int8 fragments that selected a weight
+        self.elements = self.stored_bytes = 0
+        self.tensors = dict.fromkeys(self.tiers, 0)  # weights stored in each tier
+        self.matched: set[tuple[str, str]] = set()  # (tier, fragment) that chose a weight's format
 
     def format_of(self, name: str) -> str:
-        """The MX element format weight `name` is stored in."""
-        hits = {f for f in self.int8 if f in name}
-        self.matched |= hits
-        return "int8" if hits else self.fmt
+        """The MX element format weight `name` is stored in: the first tier that names it, else `fmt`."""
+        for tier, fragments in self.tiers.items():
+            if hits := {(tier, f) for f in fragments if f in name}:
+                self.matched |= hits
+                return tier
+        return self.fmt
 
     def store(self, t: onnx.TensorProto, matmul: bool, embedding: bool = False) -> list[onnx.TensorProto]:
         if embedding and self.embedding and not matmul:
@@ -192,7 +202,8 @@ class MXPass:
             order, u = self._factor(self.hessians.pop(t.name))
             w = quantize_with_feedback(w, u, fmt, self.scale, self.rounding, order)
         codes, scales = mx_tensors(t.name, w, fmt, self.rounding, self.scale)
-        self.int8_tensors += fmt == "int8"
+        if fmt in self.tensors:
+            self.tensors[fmt] += 1
         self.quantized[t.name] = (codes.name, scales.name)
         self.elements += w.size
         self.stored_bytes += len(codes.raw_data) + len(scales.raw_data)
@@ -215,18 +226,20 @@ class MXPass:
         set_default_opset(model, MX_OPSET)
 
     def summary(self) -> QuantSummary:
-        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, bool(self.tables), self.int8,
-                            self.int8_tensors, self.calibration,
-                            len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
+        return QuantSummary(self.fmt, BLOCK, self.rounding, self.scale, self.lm_head, bool(self.tables),
+                            self.tiers["int8"], self.tensors["int8"], self.tiers[FP6], self.tensors[FP6],
+                            self.calibration, len(self.quantized), self.elements, self.stored_bytes, 2 * self.elements)
 
     def info(self) -> dict:
-        """Once every weight has been stored; a mx_int8 fragment that selected none is refused (a typo
-        would otherwise leave the tensors it meant in the main format, silently)."""
+        """Once every weight has been stored; a mx_int8 or mx_fp6 fragment that chose no weight's format is
+        refused (a typo would otherwise leave the tensors it meant in the main format, silently)."""
         if self.embedding and not self.tables:
             raise ValueError("mx_embedding: the graphs read no embedding table (a Gather of the input ids)")
-        if unused := [f for f in self.int8 if f not in self.matched]:
-            raise ValueError(f"mx_int8 fragment(s) {unused} match no quantized weight (decoder linears and the "
-                             f"LM head, e.g. {sorted(self.quantized)[:3]})")
+        for tier, fragments in self.tiers.items():
+            if unused := [f for f in fragments if (tier, f) not in self.matched]:
+                raise ValueError(f"mx_{tier.split('_')[0]} fragment(s) {unused} match no quantized weight"
+                                 + (" that mx_int8 does not take" if tier == FP6 else "")
+                                 + f" (decoder linears and the LM head, e.g. {sorted(self.quantized)[:3]})")
         s = self.summary()
         return {"quant": asdict(s) | {"ratio_to_fp16": round(s.ratio_to_fp16, 4)}}
 

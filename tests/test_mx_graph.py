@@ -147,6 +147,43 @@ def test_mx_int8_needs_mx_weights_and_real_fragments():
         recipe_from_dict({"name": "r", "tlm": {"model": "m", "mx_format": "fp6_e2m3", "mx_int8": [""]}})
 
 
+def test_mx_fp6_is_a_tier_under_other_formats_only():
+    """mx_fp6 needs MX weights in another format than MXFP6 E2M3, real fragments, and mx_lm_head = "fp6" to name
+    the head; switching the recipe to MXFP6 (or float) drops it."""
+    base = {"model": "m", "mx_format": "fp4_e2m1"}
+    for tlm, why in [({"model": "m", "mx_fp6": ["v_proj"]}, "need mx_format"),
+                     (base | {"mx_format": "fp6_e2m3", "mx_fp6": ["v_proj"]}, "are fp6_e2m3 already"),
+                     (base | {"mx_fp6": ["v_proj", ""]}, "mx_fp6: an empty name fragment"),
+                     (base | {"mx_fp6": ["lm_head"]}, 'names the LM head, but mx_lm_head is .int8.*"fp6"')]:
+        with pytest.raises(RecipeError, match=why):
+            recipe_from_dict({"name": "r", "tlm": tlm})
+    spec = recipe_from_dict({"name": "r", "speculative": False,
+                             "tlm": base | {"mx_fp6": ["down_proj"], "mx_lm_head": "fp6"}}).tlm
+    assert spec.mx_fp6_fragments == ("down_proj", "lm_head") and spec.mx_int8_fragments == () and spec.mx_head
+    assert replace(spec, mx_fp6=("lm_head",)).mx_fp6_fragments == ("lm_head",)
+    assert with_mx_format(spec, "fp6_e2m3").mx_fp6 == () and with_mx_format(spec, "fp6_e3m2").mx_fp6 == ("down_proj",)
+    assert with_mx_format(spec, None).mx_fp6 == ()
+
+
+def test_mx_fp6_fragments_store_mxfp6_under_mxint8():
+    """Each weight in the first tier that names it (MXINT8, then MXFP6), else the pass's format; a fragment that
+    chose no weight's format (a typo, or one mx_int8 shadows everywhere) is refused."""
+    def stored(name: str, **tiers) -> tuple[int, MXPass]:
+        model, mx = renamed(matmul_model(weights(64, 24)), name), MXPass("fp4_e2m1", **tiers)
+        apply_passes(model, [mx])
+        return {t.name: t.data_type for t in model.graph.initializer}[name + ".mx_codes"], mx
+
+    assert stored(WEIGHT, fp6=("mlp.up",))[0] == onnx.TensorProto.FLOAT6E2M3
+    assert stored(WEIGHT, fp6=("down",))[0] == onnx.TensorProto.FLOAT4E2M1
+    kind, mx = stored(WEIGHT, fp6=("mlp.up",), int8=("layers.0.",))
+    assert kind == onnx.TensorProto.INT8
+    with pytest.raises(ValueError, match=r"mx_fp6 fragment\(s\) \['mlp.up'\] match no quantized weight that mx_int8"):
+        mx.info()
+    kind, mx = stored("lm_head.weight.T", fp6=("lm_head",))
+    assert kind == onnx.TensorProto.FLOAT6E2M3 and mx.lm_head
+    assert (mx.summary().fp6_tensors, mx.summary().int8_tensors) == (1, 0)
+
+
 def test_lm_head_follows_the_option_and_unknown_weights_are_refused():
     head = renamed(matmul_model(weights(64, 32)), "lm_head.weight.T")
     assert quantize_model(onnx.ModelProto.FromString(head.SerializeToString())) == 0
@@ -233,11 +270,12 @@ def test_lowering_that_did_not_survive_is_an_error():
         _check_lowered(exact, "decode", "fused", {WEIGHT: "fp6_e2m3"})
 
 
-def hf_logits(checkpoint, tokens: list[int], fmt: str | None, head: str = "int8", embedding: bool = True
-              ) -> np.ndarray:
+def hf_logits(checkpoint, tokens: list[int], fmt: str | None, head: str = "int8", embedding: bool = True,
+              tiers: tuple[tuple[str, str], ...] = ()) -> np.ndarray:
     """transformers itself with the values an artifact of ModelSpec(mx_format=fmt) stores (if fmt): its
-    decoder linear weights in `fmt`, its LM head as `head` says (mx_lm_head: "int8", "format", "float32") and
-    its embedding table MXINT8 (`embedding`); the defaults are ModelSpec's. A tied head is untied first."""
+    decoder linear weights in `fmt` but those a (name fragment, format) of `tiers` names first, its LM head
+    as `head` says (mx_lm_head: "int8", "fp6", "format", "float32") and its embedding table MXINT8
+    (`embedding`); the defaults are ModelSpec's. A tied head is untied first."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
@@ -245,7 +283,9 @@ def hf_logits(checkpoint, tokens: list[int], fmt: str | None, head: str = "int8"
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         for name, p in model.named_parameters():
             layer = name.startswith("model.layers.") and name.endswith("proj.weight")
-            store = fmt if layer else {"int8": "int8", "format": fmt}.get(head) if name == "lm_head.weight" else None
+            tier = next((f for fragment, f in tiers if fragment in name), fmt)
+            store = (tier if layer else {"int8": "int8", "fp6": "fp6_e2m3", "format": fmt}.get(head)
+                     if name == "lm_head.weight" else None)
             if fmt and store:
                 # nn.Linear holds W[N, K]; the graph's MatMul weight is W.T [K, N], blocked along K.
                 p.copy_(torch.from_numpy(fake_quantize(p.numpy().T, store, axis=0).T.copy()))
@@ -253,6 +293,11 @@ def hf_logits(checkpoint, tokens: list[int], fmt: str | None, head: str = "int8"
             table = model.get_input_embeddings().weight
             table.copy_(torch.from_numpy(fake_quantize(table.numpy(), "int8", axis=1)))
         return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+MIX = {"mx_format": "fp4_e2m1", "mx_fp6": ("v_proj", "down_proj"), "mx_int8": ("layers.0.self_attn",),
+       "mx_lm_head": "fp6"}
+MIX_TIERS = (("layers.0.self_attn", "int8"), ("v_proj", "fp6_e2m3"), ("down_proj", "fp6_e2m3"))
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +310,9 @@ def mx_artifacts(checkpoints, tmp_path_factory):
         "e3m2": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e3m2", mx_lowering="exact"),
         "fp4": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1"),  # native: int8 activations
         "fp4_exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1", mx_lowering="exact"),
+        # three tiers: MXFP4, MXFP6 (v, down, the head) and MXINT8 (layer 0's attention, over mx_fp6's v_proj)
+        "mix": ModelSpec(model=str(checkpoints["llama-gqa"]), **MIX),
+        "mix_exact": ModelSpec(model=str(checkpoints["llama-gqa"]), **MIX, mx_lowering="exact"),
     }
     return {
         k: build_artifact(replace(tiny_recipe(), dlm=None, tlm=s), root / k, progress=False) for k, s in specs.items()
@@ -280,17 +328,19 @@ def prompt_logits(artifact, tokens: list[int]) -> np.ndarray:
 TOKENS = [5, 17, 200, 43, 99, 12, 7, 64, 150, 3, 77, 31]
 
 
-@pytest.mark.parametrize("kind,fmt", [("exact", "fp6_e2m3"), ("e3m2", "fp6_e3m2"), ("fp4_exact", "fp4_e2m1")])
+@pytest.mark.parametrize("kind,fmt", [("exact", "fp6_e2m3"), ("e3m2", "fp6_e3m2"), ("fp4_exact", "fp4_e2m1"),
+                                      ("mix_exact", "fp4_e2m1")])
 def test_exact_artifact_matches_transformers_with_mx_weights(mx_artifacts, checkpoints, kind, fmt):
     ours = prompt_logits(mx_artifacts[kind], TOKENS)
-    ref = hf_logits(checkpoints["llama-gqa"], TOKENS, fmt)[-1]
+    mix = {"head": "fp6", "tiers": MIX_TIERS} if kind == "mix_exact" else {}
+    ref = hf_logits(checkpoints["llama-gqa"], TOKENS, fmt, **mix)[-1]
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
     fp32 = hf_logits(checkpoints["llama-gqa"], TOKENS, None)[-1]
     assert np.abs(ours - fp32).max() > 1e-3  # the weights really were quantized
 
 
 @pytest.mark.parametrize("kind,tolerance,exact", [("fused", 0.02, "exact"), ("native", 1e-4, "exact"),
-                                                  ("fp4", 0.02, "fp4_exact")])
+                                                  ("fp4", 0.02, "fp4_exact"), ("mix", 0.02, "mix_exact")])
 def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance, exact):
     """fused rounds activations to int8 per block; native (where its library is built) to int16, and to int8
     with MXFP4 weights."""
@@ -340,6 +390,31 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
             assert attrs["activation_bits"] == (8 if fp4 and block == 256 else 16)
         if kind in ("fused", "native"):
             assert not [t for t in inits if t.endswith("proj.weight.T")], "a full-precision decoder weight"
+
+
+def test_a_mixed_recipe_stores_each_tier_and_runs_each_in_its_kernel(mx_artifacts):
+    """MIX: MXINT8 where mx_int8 names a weight (over mx_fp6's v_proj in layer 0), MXFP6 where mx_fp6 or
+    mx_lm_head = "fp6" does, MXFP4 elsewhere; each in its own MXMatMul (4, 6 or 8 bits; int8 activations with
+    MXFP4 only), counted in the manifest's bytes."""
+    quant = load_artifact(mx_artifacts["mix"]).manifest.models["tlm"].quant
+    if quant["lowering"] != "native":
+        pytest.skip("mxspd's kernel library is not built here")
+    assert (quant["int8_tensors"], quant["fp6_tensors"], quant["tensors"]) == (4, 4, 15)
+    assert quant["fp6"] == ["v_proj", "down_proj", "lm_head"] and quant["int8"] == ["layers.0.self_attn"]
+    int8, fp6, fp4 = 4096 + 2048 + 2048 + 4096, 2048 + 2 * 8192 + 260 * 64, 2 * 2 * 8192 + 4096 + 2048 + 4096
+    assert int8 + fp6 + fp4 == 73728 + 260 * 64
+    assert quant["mx_bytes"] == (int8 * 8.25 + fp6 * 6.25 + fp4 * 4.25) / 8
+    model = onnx.load(str(mx_artifacts["mix"] / "tlm" / "decode.onnx"), load_external_data=False)
+    bits = {}
+    for n in model.graph.node:
+        if n.op_type == "MXMatMul":
+            attrs = {a.name: a.i for a in n.attribute}
+            for w in n.input[1].split(SEPARATOR):
+                bits[w.split(".weight")[0]] = (attrs["weight_bits"], attrs["activation_bits"])
+    assert bits["layers.0.self_attn.v_proj"] == bits["layers.0.self_attn.q_proj"] == (8, 16)
+    assert bits["layers.1.self_attn.v_proj"] == bits["layers.1.mlp.down_proj"] == bits["lm_head"] == (6, 16)
+    assert bits["layers.1.self_attn.q_proj"] == bits["layers.0.mlp.gate_proj"] == (4, 8)
+    assert len(bits) == 15
 
 
 def test_float16_storage_matches_transformers_with_rounded_weights(checkpoints, tmp_path):

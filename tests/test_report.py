@@ -118,50 +118,48 @@ def test_report_marks_configurations_that_do_not_fit(checkpoints, tmp_path, monk
     assert not (out / "fp32").exists()
 
 
-def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints):
-    """Teacher-forced perplexity through the compiled graphs equals transformers' on the same windows."""
+def test_accuracy_scoring_matches_transformers(artifact_dir, checkpoints, tmp_path):
+    """Teacher-forced perplexity through the compiled graphs equals transformers' on the same windows, and the
+    KL divergence of each position's distribution from a reference's is transformers' KL: zero for the
+    reference itself, torch's kl_div for another model's."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     import runtime
-    from benchmarks.accuracy import score
+    from benchmarks.accuracy import Divergence, score
 
     art = runtime.load_artifact(artifact_dir)
     tokens = np.random.default_rng(0).integers(4, 260, 150)
-    nll, top1 = score(art, tokens)
+    divergence = Divergence(tmp_path / "ref.npy", len(tokens) - 1)
+    nll, top1, kl = score(art, tokens, divergence)
     model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"], attn_implementation="eager").eval()
     window = art.manifest.context_length
-    ref_nll, ref_top1 = [], []
+    ref_nll, ref_top1, ref_logp = [], [], []
     with torch.no_grad():
         for s in range(0, len(tokens) - 1, window):
             seq = torch.from_numpy(tokens[s : s + window + 1])
             logits = model(seq[None, :-1]).logits[0]
             ref_nll.append(torch.nn.functional.cross_entropy(logits, seq[1:], reduction="none").numpy())
             ref_top1.append(logits.argmax(-1).numpy())
-    assert len(nll) == len(tokens) - 1
+            ref_logp.append(torch.log_softmax(logits.double(), -1))
+    assert len(nll) == len(tokens) - 1 and not kl.any()  # the reference's own
     np.testing.assert_allclose(nll, np.concatenate(ref_nll), atol=1e-4)
     assert (top1 == np.concatenate(ref_top1)).all()
-
-
-def test_divergence_log_probs_match_transformers(artifact_dir, checkpoints):
-    """benchmarks.divergence's per-window log-probabilities are transformers' log-softmax (KL is then
-    exact arithmetic on them)."""
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import runtime
-    from benchmarks.divergence import log_probs
-
-    art = runtime.load_artifact(artifact_dir)
-    seq = np.random.default_rng(1).integers(4, 260, 40)
-    ours = log_probs(art, seq)
-    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama-gqa"], attn_implementation="eager").eval()
+    np.testing.assert_allclose(np.asarray(divergence.logp), torch.cat(ref_logp).numpy(), atol=1e-4)
+    # another model: its KL from the recorded reference, position by position
     with torch.no_grad():
-        ref = torch.log_softmax(model(torch.from_numpy(seq[None, :-1])).logits[0].double(), -1).numpy()
-    assert ours.shape == ref.shape == (39, art.tlm.dims.vocab_size)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)
+        for p in model.parameters():
+            p.mul_(1.05)
+        other = torch.cat([torch.log_softmax(model(torch.from_numpy(tokens[s : s + window + 1])[None, :-1])
+                                             .logits[0].double(), -1) for s in range(0, len(tokens) - 1, window)])
+    divergence.start()
+    kl = np.concatenate([divergence(other[i : i + 40].numpy()) for i in range(0, len(other), 40)])
+    expected = torch.nn.functional.kl_div(other, torch.cat(ref_logp), log_target=True, reduction="none").sum(-1)
+    assert kl.min() > 0
+    np.testing.assert_allclose(kl, expected.numpy(), rtol=1e-3, atol=1e-6)
+    divergence.close()
+    assert not (tmp_path / "ref.npy").exists()
 
 
 def test_weight_bytes_per_call_counts_every_matrix_weight_once(checkpoints, tmp_path):
@@ -356,6 +354,8 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     report = json.loads((tmp_path / "tiny-stdlib-spd" / "accuracy.json").read_text())
     fp32, mx = report["rows"][:2]
     assert fp32["ppl_ratio"] == 1.0 and fp32["ppl_interval"]["samples"] == 4
+    assert fp32["kl_mean"] == 0 and mx["kl_mean"] > 0 and fp32["bits_per_weight"] == 32  # float32 reads 4 bytes
+    assert not list((tmp_path / "tiny-stdlib-spd").glob("*.npy"))  # float32's log-probabilities are gone
     v = mx["ppl_interval"]
     assert v["low"] < mx["ppl_ratio"] < v["high"] and v["ratio"] == pytest.approx(mx["ppl_ratio"], rel=1e-9)
     assert not mx["shipped"] and report["meta"]["gate"].startswith("fp6_e2m3 exact")  # tiny ships fused

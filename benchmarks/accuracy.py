@@ -34,11 +34,10 @@ import numpy as np
 import runtime
 from benchmarks.bandwidth import weight_bytes_per_call
 from benchmarks.intervals import perplexity_ratio_interval
-from benchmarks.peers import Genai, llama_cpp_module, llama_file, matrix_bits
+from benchmarks.peers import Genai, llama_cpp_module, llama_file, llama_source, matrix_bits
 from benchmarks.variants import build_cached, variant, with_settings
 from common.manifest import ArtifactError
 from common.recipe import selects_head
-from export.gguf_checkpoint import gguf_file
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.calibration_text import PROSE
 from recipes.default_pair import stdlib_files
@@ -61,6 +60,11 @@ V_DOWN8 = {"mx_int8": ("v_proj", "down_proj"), "mx_fp6": (), "mx_lm_head": "int8
 SENSITIVE6 = {"mx_int8": (), "mx_fp6": SENSITIVE, "mx_lm_head": "int8"}
 SENSITIVE6_HEAD6 = SENSITIVE6 | {"mx_lm_head": "fp6"}
 V_DOWN6_HEAD6 = {"mx_int8": (), "mx_fp6": ("v_proj", "down_proj"), "mx_lm_head": "fp6"}
+# And the MLPs of the 9 layers whose gate and up projections cost most KL in MXFP4 (benchmarks.sensitivity --by layer
+# on the calibration's Apache-2.0, 2026-11-30): the bits Q4_K_M reads on SmolLM2 (6.16 per weight), not more.
+LAYERS6 = ("layers.0.", "layers.1.", "layers.20.", "layers.4.", "layers.2.", "layers.8.", "layers.7.", "layers.12.",
+           "layers.11.")
+SENSITIVE6_LAYERS6 = SENSITIVE6 | {"mx_fp6": SENSITIVE + LAYERS6}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)
@@ -91,6 +95,7 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp4_e2m1 native min_error +sensitive6": ("fp4_e2m1", "native", "min_error", SENSITIVE6),
     "fp4_e2m1 native min_error +sensitive6 +head6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_HEAD6),
     "fp4_e2m1 native min_error +v_down6 +head6": ("fp4_e2m1", "native", "min_error", V_DOWN6_HEAD6),
+    "fp4_e2m1 native min_error +sensitive6 +layers6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_LAYERS6),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -448,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         families += [(f"llama.cpp {f}", "llama.cpp", f, "F32") for f in llama]
         own_top1: dict[str, np.ndarray] = {}  # each peer's own float32 argmax
         for label, system, precision, own_reference in families:
-            source, bits = gguf_file(recipe.tlm.model), None
+            source, bits = llama_source(recipe.tlm.model), None
             if system == "genai":
                 scores = genai_score(Genai(source, precision, threads=2).model, tokens, recipe.context_length,
                                      recipe.prefill_chunk, divergence)

@@ -14,6 +14,7 @@ whose native build crashes, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -22,7 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.decode import genai_model, time_genai
+from benchmarks.gguf_writer import write_f16_gguf
 from common.cache import cache_root
+from export.gguf_checkpoint import gguf_file, is_gguf_reference
+from export.loader import resolve_model_dir
 
 
 def llama_cpp_module():
@@ -31,6 +35,20 @@ def llama_cpp_module():
     except ImportError:
         sys.exit('llama-cpp-python is not installed: pip install -e ".[peers]" (a benchmark-only extra)')
     return llama_cpp
+
+
+def checkpoint_gguf(checkpoint: Path) -> Path:
+    """The checkpoint's own weights as an F16 GGUF, written once (keyed by its files' names, sizes, times)."""
+    files = sorted(f for f in checkpoint.iterdir() if f.is_file())
+    key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode())
+    out = cache_root() / "bench" / "gguf" / f"{checkpoint.name}-{key.hexdigest()[:12]}-F16.gguf"
+    return out if out.is_file() else write_f16_gguf(checkpoint, out)
+
+
+def llama_source(reference: str) -> Path:
+    """The GGUF llama.cpp's formats of a recipe's model are made from: the model's own GGUF file, or an F16 GGUF of
+    its checkpoint's weights (a model with float weights: builtin:NAME, a folder, a cached Hugging Face id)."""
+    return gguf_file(reference) if is_gguf_reference(reference) else checkpoint_gguf(resolve_model_dir(reference))
 
 
 def llama_file(source: Path, fmt: str) -> Path:

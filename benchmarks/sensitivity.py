@@ -11,10 +11,11 @@ project's quantizer as the quant pass would store them: the recipe's format, exp
 --base-int8 (fragments, as `mx_int8`; the LM head by default), the LM head float32 unless named there or
 the recipe says `mx_lm_head = "format"`. That base's mean KL divergence from float32 (nats per token) and
 top-1 agreement are the reference; then each group (a kind of linear over all layers, a layer's linears,
-or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (2 bits per weight) and gain per extra
-MB are printed, best first, and written to OUT/RECIPE/sensitivity.json. Default text: the Apache-2.0
-licence Debian ships, which benchmarks.accuracy does not evaluate on (but which smollm2-135m-chat's
-calibration text begins with: score such a recipe on another --text). Deterministic: one run. """
+or one tensor) goes to MXINT8 alone, and its KL gain, extra bytes (8 bits per weight less the format's: 2
+for MXFP6, 4 for MXFP4) and gain per extra MB are printed, best first, and written to
+OUT/RECIPE/sensitivity.json. Default text: the Apache-2.0 licence Debian ships, which benchmarks.accuracy
+does not evaluate on (but which smollm2-135m-chat's calibration text begins with: score such a recipe on
+another --text). Deterministic: one run. """
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
@@ -31,7 +33,7 @@ from benchmarks.accuracy import held_out_texts
 from export.calibration import calibrate, float_model
 from export.loader import resolve_model_dir
 from export.onnx_export import short_name
-from quant import fake_quantize
+from quant import element_values, fake_quantize
 from quant.error_feedback import feedback_factor, quantize_with_feedback
 from quant.onnx_pass import MXPass, selected
 from recipes import DEFAULT_RECIPE, get_recipe
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(_LAYER.match(name) for name in mods):
         ap.error(f"no decoder linears found in {recipe.tlm.model} (layers.N. or h.N. weights)")
     base = {name for name in mods if quant.format_of(name) == "int8"}
-    if unused := [f for f in base_int8 if f not in quant.matched]:
+    if unused := [f for f in base_int8 if ("int8", f) not in quant.matched]:
         ap.error(f"--base-int8 fragment(s) {unused} match no quantized weight (e.g. {sorted(mods)[:2]})")
 
     spec = recipe.tlm
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.from_numpy(fake_quantize(w, fmt, axis=1, scale=spec.mx_scale))
 
     numel = {name: m.weight.numel() for name, m in mods.items()}
+    extra_bits = 8 - np.log2(len(element_values(spec.mx_format)))  # MXINT8's element bits less the format's
     stored = {name: quantized(name, m, "int8" if name in base else spec.mx_format) for name, m in mods.items()}
     int8 = {name: quantized(name, m, "int8") for name, m in mods.items() if name not in base and _LAYER.match(name)}
 
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, names in groups.items():
         assign(set(names))
         kl, top1 = scorer.score()
-        extra_mb = sum(numel[n] for n in names) * 2 / 8 / 1e6  # 8.25 - 6.25 bits per weight
+        extra_mb = sum(numel[n] for n in names) * extra_bits / 8 / 1e6
         rows.append({"group": key, "tensors": len(names), "kl": round(kl, 5), "kl_gain": round(base_kl - kl, 5),
                      "top1": round(top1, 4), "extra_MB": round(extra_mb, 3),
                      "gain_per_MB": round((base_kl - kl) / extra_mb, 5)})

@@ -51,10 +51,9 @@ import numpy as np
 import runtime
 from benchmarks.bandwidth import cpu_name, read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
-from benchmarks.gguf_writer import write_f16_gguf
 from benchmarks.memory import smaps_mib
 from benchmarks.mx_decode import ENGINES, LONG_ANSWER, engine_recipe
-from benchmarks.peers import Genai, LlamaCpp, llama_path, streamed_bytes
+from benchmarks.peers import Genai, LlamaCpp, checkpoint_gguf, llama_path, streamed_bytes
 from benchmarks.variants import build_cached
 from common.cache import cache_root
 from common.recipe import ModelSpec, Recipe
@@ -63,14 +62,6 @@ from recipes import get_recipe
 from runtime.request import encode_prompt
 
 REFERENCE = "Q6_K"  # issue 27's yardstick: llama.cpp's 6.56-bit format
-
-
-def checkpoint_gguf(checkpoint: Path) -> Path:
-    """The checkpoint's own weights as an F16 GGUF, written once (keyed by its files' names, sizes, times)."""
-    files = sorted(f for f in checkpoint.iterdir() if f.is_file())
-    key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode())
-    out = cache_root() / "bench" / "gguf" / f"{checkpoint.name}-{key.hexdigest()[:12]}-F16.gguf"
-    return out if out.is_file() else write_f16_gguf(checkpoint, out)
 
 
 def checkpoint_recipe(checkpoint: Path, prompt_tokens: int, new_tokens: int, prefill_chunk: int) -> Recipe:

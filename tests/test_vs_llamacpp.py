@@ -98,3 +98,35 @@ def test_checkpoint_mode_reports_each_system_against_the_reference(tmp_path, cap
     ours = report["systems"]["ours:mxfp6"]
     assert ours["vs_llama.cpp_Q6_K"] > 0 and ours["prefill_vs_llama.cpp_Q6_K"] > 0 and ours["generated"] == 8
     assert ours["compared_with"] is None and report["prompt_tokens"] == [16]
+
+
+def test_a_llamacpp_file_s_bits_per_weight_count_the_matrices_a_token_reads(tmp_path, monkeypatch):
+    """An F16 GGUF: 16 bits per matrix weight (the 1-D norms left out), its token table not streamed beside an
+    output matrix; the same file without output.weight ties its head to the table, which is then read whole.
+    A recipe's model with float weights is llama.cpp's source as an F16 GGUF written once, in the cache."""
+    import gguf
+
+    from benchmarks import peers
+
+    monkeypatch.setenv("MXSPD_CACHE", str(tmp_path / "cache"))
+    ck = save_checkpoint("llama-gqa", tmp_path / "ck")
+    path = peers.llama_source(str(ck))
+    assert path.parent == tmp_path / "cache" / "bench" / "gguf" and peers.llama_source(str(ck)) == path
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    assert peers.matrix_bits(path) == 16.0
+    assert peers.streamed_bytes(path) == sum(tensors.values()) - tensors["token_embd.weight"]
+    reader, tied = gguf.GGUFReader(path), tmp_path / "tied.gguf"
+    writer = gguf.GGUFWriter(tied, "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        if t.name != "output.weight":
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert peers.streamed_bytes(tied) == sum(tensors.values()) - tensors["output.weight"]
+    assert peers.matrix_bits(tied) == 16.0

@@ -240,6 +240,14 @@ def test_sensitivity_ranks_weight_groups_by_what_mxint8_gains(tmp_path, capsys):
     assert sum(r["tensors"] for r in layers["rows"]) == sum(r["tensors"] for r in kinds["rows"])
     assert all(r["group"].startswith("layers.") for r in layers["rows"])
     assert "gain/MB" in capsys.readouterr().out
+    decoder = 6 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 704)  # stdlib-tlm's decoder linears, in weights
+    assert sum(r["extra_MB"] for r in kinds["rows"]) == pytest.approx(decoder * 2 / 8 / 1e6, abs=0.004)  # 8 - 6 bits
+    four = tmp_path / "four.toml"  # the same recipe in MXFP4: MXINT8 costs 8 - 4 bits a weight
+    four.write_text((Path(__file__).parents[1] / "recipes" / "tiny-stdlib-spd.toml").read_text()
+                    .replace('mx_format = "fp6_e2m3"', 'mx_format = "fp4_e2m1"'))
+    assert sensitivity.main(["--recipe", str(four), *args[2:], "--by", "kind"]) == 0
+    rows = json.loads((tmp_path / "tiny-stdlib-spd" / "sensitivity.json").read_text())["rows"]
+    assert sum(r["extra_MB"] for r in rows) == pytest.approx(decoder * 4 / 8 / 1e6, abs=0.004)
     for bad in (["--text", str(tmp_path / "missing.txt")], ["--base-int8", "lm-head"]):  # refused, with a message
         with pytest.raises(SystemExit):
             sensitivity.main(args[:2] + bad)

@@ -335,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
               "configs": rows,
               "greedy_spd_equals_ar": greedy_equal(runs, rows_of),
               "weights_mib": {k: v["weights_mib"] for k, v in memory.items()},
-              # what each adaptive policy ended up believing a round of each draft length costs (ms; 0: plain)
-              "policy_costs_ms": {which: {"/".join(map(str, key)): {k: round(v, 3) for k, v in sorted(p.cost.items())}
-                                          for key, p in art.policies.items()} for which, art in arts.items()}}
+              # what the draft policy's cost model ended up believing each graph's call costs (ms), and the host
+              # time per call
+              "call_costs_ms": {which: {role: {g: round(r.costs.ms(g), 3) for g in r.graphs}
+                                        for role, r in art.runners.items()}
+                                | {"host_per_call": round(art.engine.host_ms, 3) if art.engine else None}
+                                for which, art in arts.items()}}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     chart(report, out / "report.png")

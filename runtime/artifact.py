@@ -20,7 +20,6 @@ from common.ngram_table import NgramTable, NgramTableError
 from common.resources import check_memory
 from common.targets import check_prepacked, check_target, get_target
 from kernels import GPU_LOWERING, NATIVE_LOWERINGS, require_cuda_library, require_library
-from runtime.draft_policy import DraftPolicy
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import Tokenizer
 
@@ -38,7 +37,6 @@ class Artifact:
     load_seconds: float
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     ngram_table: NgramTable | None = None  # prompt lookup's n-gram draft, where the recipe ships one
-    policies: dict[tuple, DraftPolicy] = field(default_factory=dict, repr=False)  # adaptive, per method
     engine: Any = field(default=None, repr=False)  # generations' engine (engine.engine_of), made at first use
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _owner: int | None = field(default=None, repr=False)

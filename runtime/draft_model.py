@@ -6,18 +6,15 @@ one DLM call, and the first call also catches each branch up on the committed to
 (the whole prompt at a request's first draft: while its policy decodes plainly the DLM never runs, and
 does not evict the TLM's weights from the caches). Rejected drafts' KV is trimmed from the branch; a
 finished request's DLM prefix is kept for reuse as the TLM's is, so a chat's next turn catches up on
-its new tokens only. A generation's drafter chooses each round's length (its adaptive policy); a
-server request's length is the engine's (no policy of its own).
+its new tokens only. Each round's length is the engine's draft policy's.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 
-from runtime.draft_policy import DraftPolicy
 from runtime.forest import Branch, Forest
 from runtime.proposal import Proposal
 from runtime.sampling import SamplingParams, sample, warp
@@ -27,14 +24,11 @@ class DraftModelDrafter:
     name = "draft"
 
     def __init__(self, forest: Forest, params: SamplingParams, rng: np.random.Generator,
-                 policy: DraftPolicy | None = None, counters: dict | None = None) -> None:
-        """`policy`: chooses each round's length (None: the `room` the engine gives is the length);
-        `counters`: the engine's stats, whose "draft_cached_tokens" counts the DLM prefixes reused."""
-        self.forest, self.params, self.rng, self.policy, self.counters = forest, params, rng, policy, counters
+                 counters: dict | None = None) -> None:
+        """`counters`: the engine's stats, whose "draft_cached_tokens" counts the DLM prefixes reused."""
+        self.forest, self.params, self.rng, self.counters = forest, params, rng, counters
         self.branch: Branch | None = None  # its view of the DLM's cache, from its first draft on
         self.fed: np.ndarray | None = None  # this round's slots of fed drafts: trimmed past the accepted ones
-        self.behind_ms = 0.0  # a catch-up on earlier plain steps' tokens: not this round's length's cost
-        self.cold = False  # this round ran a DLM graph for the first time
         self.k_used: dict[int, int] = {}
         self.calls0 = forest.runner.calls
 
@@ -46,15 +40,17 @@ class DraftModelDrafter:
         """DLM cache slots it holds (the engine's capacity rule reserves the rest)."""
         return 0 if self.branch is None else self.branch.length
 
-    def propose(self, committed: list[int], room: int) -> Proposal | None:
-        return self.propose_batch([self], [committed], [room])[0]
+    def offer(self, committed: list[int], room: int) -> tuple[int, int]:
+        return 0, room  # one kind of draft, as long as the context allows
+
+    def propose(self, committed: list[int], k: int) -> Proposal | None:
+        return self.propose_batch([self], [committed], [k])[0]
 
     @staticmethod
-    def propose_batch(drafters: list[DraftModelDrafter], texts: list[list[int]], rooms: list[int]
+    def propose_batch(drafters: list[DraftModelDrafter], texts: list[list[int]], ks: list[int]
                       ) -> list[Proposal | None]:
-        """Each drafter's chain (its policy's length, at most its room; None: the DLM gave NaN/Inf logits
-        for it), the i-th drafts of all of them in one call."""
-        ks = [room if d.policy is None else d.policy.choose(room) for d, room in zip(drafters, rooms, strict=True)]
+        """Each drafter's chain of its length (None: the DLM gave NaN/Inf logits for it), the i-th drafts of
+        all of them in one call."""
         out: list[Proposal | None] = [Proposal()] * len(drafters)  # length 0: a plain step
         going = [i for i, k in enumerate(ks) if k]
         if not going:
@@ -62,7 +58,6 @@ class DraftModelDrafter:
         forest = drafters[going[0]].forest
         assert all(drafters[i].forest is forest for i in going), "one call: drafters over one DLM forest"
         runner, vocab = forest.runner, forest.runner.dims.vocab_size
-        warm = set(runner.warm)
         for i in going:
             d = drafters[i]
             d.k_used[ks[i]] = d.k_used.get(ks[i], 0) + 1
@@ -76,19 +71,14 @@ class DraftModelDrafter:
         fetch = not runner.greedy_outputs or any(drafters[i].params.do_sample for i in going)
         drafts = {i: ([], np.zeros((ks[i], vocab))) for i in going}  # tokens, q (a row per draft)
         chains = [texts[i][drafters[i].branch.length :] for i in going]  # catch up first
-        behind = {i: len(c) > 2 for i, c in zip(going, chains, strict=True)}  # more than a round's 1-2 tokens
         for step in range(max(ks)):
-            t0 = time.perf_counter()
             rows, slots = forest.extend_rows([drafters[i].branch for i in going], chains, [1] * len(chains),
                                              check=False, fetch=fetch)
-            call_ms = (time.perf_counter() - t0) * 1e3
             still, chains = [], []
             for i, row, s in zip(going, rows, slots, strict=True):
                 d = drafters[i]
                 if step:
                     d.fed = s if d.fed is None else np.concatenate([d.fed, s])
-                else:
-                    d.behind_ms = call_ms if behind[i] else 0.0
                 if not (np.isfinite(row).all() if fetch else row[0] >= 0):
                     out[i] = None
                     drafts.pop(i)
@@ -106,9 +96,7 @@ class DraftModelDrafter:
             going = still
             if not going:
                 break
-        cold = runner.warm != warm
         for i, (tokens, q) in drafts.items():
-            drafters[i].cold = cold
             out[i] = Proposal.chain(np.array(tokens), q)
         return out
 
@@ -117,9 +105,6 @@ class DraftModelDrafter:
         if self.fed is not None:  # the rejected drafts' KV (the last draft was never fed)
             self.forest.trim(self.branch, self.fed[accepted:])
             self.fed = None
-        if self.policy is not None:
-            self.policy.observe(len(proposal.tokens), accepted, round_ms - self.behind_ms, self.behind_ms, self.cold)
-        self.behind_ms, self.cold = 0.0, False
 
     def end(self, text: list[int] | None) -> None:
         """Keep its DLM prefix of `text` for reuse (None: an error, nothing kept)."""
@@ -131,6 +116,5 @@ class DraftModelDrafter:
             self.branch = None
 
     def summary(self) -> dict:
-        return {"k": self.policy.k_max if self.policy is not None else max(self.k_used, default=0),
-                "draft_lengths_used": dict(sorted(self.k_used.items())),
+        return {"draft_lengths_used": dict(sorted(self.k_used.items())),
                 "dlm_calls": self.forest.runner.calls - self.calls0}

@@ -1,49 +1,50 @@
-"""How many tokens to draft this round: the one that maximises expected tokens per second.
+"""How many tokens to draft in a step: the lengths that maximise the step's expected tokens per second.
 
-With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a round that
-drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens. A round that accepts n of k drafts has
-tested n + 1 of them (n < k; the rest were never judged) or k (n = k): for a draft model, whose
-tokens are accepted about independently (`independent`), a is estimated as accepted over tested;
-over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are right or wrong
-together (a match that fails at its first token rarely recovers), so there the untested ones count
-as rejected (docs/benchmarks-history.md: estimated the independent way, prompt lookup drafted more and lost
-3-5% more on the default recipe's prompts). Acceptance is estimated per kind of draft where a drafter
-tells kinds apart (prompt lookup: the match length, since a match of one token is right far less
-often than one of three), so that a good kind is drafted and a poor one is not. A round of k
-costs round(k): its whole wall
-time (DLM catch-up and drafting, the scoring call, host work), first estimated as
-score(k) + (k + 1) * dlm_step; k = 0 is a plain decode step: 1 token for decode. The policy picks
-the best compiled k, so when drafting does not pay (low acceptance, a slow DLM, a costly scoring
-call) it decodes plainly and speculation costs no more than autoregressive decoding beyond its
-estimation error.
+One policy for every way of speculating, a generation's (a step of one request) and the server's
+(a batch). With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a
+request that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens; a lookahead step emits
+1 + a (a: tokens accepted per step). A step's cost is priced by the one cost model (`price`, the
+engine's: each graph's call as this process timed it, runtime/call_costs.py, plus host time per
+call): its TLM call(s) over every row of the step, and for a draft model k DLM calls over the
+drafting requests. So alone a request drafts when that pays, and in a full batch, where drafts'
+rows are real compute, the step stays plain. Where requests offer drafts of different kinds, the
+likeliest are included first, each while it raises the step's rate.
 
-Costs start from the compiler's measurements (manifest). With `adapt_costs` they follow what this
-process measures (the faster of a k's first two warm rounds replaces its estimate, later ones are
-averaged in), since the machine, its load, host work and the interplay of sessions differ; the
-first rounds are then plain steps, to measure what drafting must beat. The runtime adapts only when
-the TLM is greedy, where the output does not depend on k. When it samples, choices must depend on nothing
-but the seeded random stream (acceptances), so that a seed reproduces a run. The acceptance
-estimate starts at a prior worth a few drafts (per kind where the drafter knows one: how often such a
-draft was right on an n-gram table's held-out answers). After a run of plain rounds the policy drafts once
-(a probe), so a generation whose text turns predictable later is noticed: with the smallest k, or
-for independent drafts with the k of the best expected rate (the smallest while drafting looks
-hopeless, a longer one near break-even, where k independent verdicts can settle the question in
-one probe: with the smallest k a good draft model was seen never to start drafting). A lookup's
-longer probe tells little more than its first token and costs a longer scoring call. The
-run is at least `probe_every` rounds, doubles after each probe that changed nothing, and is long
-enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe
-loses its cost minus the plain steps its expected tokens would have taken, plus its drafter's
-catch-up on those plain steps, plus what the plain step after it costs over a warm one).
+A round that accepts n of k drafts has tested n + 1 of them (n < k; the rest were never judged) or
+k (n = k): for a draft model, whose tokens are accepted about independently, a is estimated as
+accepted over tested; over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are
+right or wrong together (a match that fails at its first token rarely recovers), so there the
+untested ones count as rejected (docs/benchmarks-history.md: estimated the independent way, prompt
+lookup drafted more and lost 3-5% more on the default recipe's prompts). Acceptance is estimated per
+kind of draft where a drafter tells kinds apart (prompt lookup: the match length, since a match of
+one token is right far less often than one of three; a table guess by its confidence), starting at
+a prior worth a few drafts (per kind where known: how often such a draft was right on an n-gram
+table's held-out answers). A new request halves what the policy learned: recent text counts most.
+
+Only greedy requests share a policy that follows measured costs (their output does not depend on
+k); a sampled one prices with the compiler's costs alone, as if alone, so that its choices depend on
+nothing but its seeded random stream (acceptances) and a seed reproduces a run (`adapt` off).
+
+The first steps are plain (two warm ones: what drafting must beat). After a run of plain steps the
+policy drafts once (a probe), so text that turns predictable later is noticed: with the smallest
+length, or for a draft model's independent drafts with the length of the best expected rate (the
+smallest while drafting looks hopeless, a longer one near break-even, where k verdicts can settle the
+question in one probe: with the smallest k a good draft model was seen never to start drafting). A
+lookup's longer probe tells little more than its first token and costs a longer scoring call. The
+run is at least `probe_every` steps, doubles after each probe that changed nothing, and is long
+enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe loses
+its cost minus the plain steps its expected tokens would have taken, plus its draft model's
+catch-up on those plain steps, plus what the plain step after it costs over a warm one, `rewarm`).
 Drafting must be predicted `margin` faster than plain decoding: near break-even, noise in the
-estimates would make it lose as often as win. A plain step is
-measured only when the one before it was plain too: the first of a generation, or one right after
-drafting, runs a decode session that sat idle. Two are measured before the first draft, and a
-plain step faster than the estimate replaces it at once (slower ones are averaged in), so that
-plain decoding is not underrated. Symmetrically, after `remeasure_every` drafting rounds in a row
-plain steps are measured again.
+estimates would make it lose as often as win. After `remeasure_every` drafting steps in a row, plain
+steps are measured again (a slow spell of the machine would otherwise keep plain decoding rated slow).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Offer = tuple[int, int]  # a request's kind of draft, and the most tokens it can draft this step
 
 
 def judged(drafted: int, accepted: int, independent: bool) -> int:
@@ -56,11 +57,12 @@ def judged(drafted: int, accepted: int, independent: bool) -> int:
 class DraftPolicy:
     def __init__(
         self,
-        score_ms: dict[int, float],
-        decode_ms: float,
-        dlm_step_ms: float | None,
+        method: str,
+        price: Callable[[str, int], float],
+        lengths: Sequence[int],
+        window: int = 0,
         fixed: int | None = None,
-        adapt_costs: bool = True,
+        adapt: bool = True,
         prior: float = 0.5,
         prior_weight: float = 4.0,
         priors: dict[int, float] | None = None,
@@ -69,146 +71,145 @@ class DraftPolicy:
         probe_share: float = 0.02,
         remeasure_every: int = 32,
         margin: float = 0.05,
-        independent: bool = True,
     ) -> None:
-        if not score_ms:
+        """`method`: "draft", "prompt_lookup" or "lookahead"; `price(role, rows)`: ms of a call of that many
+        rows of the "tlm" or the "dlm"; `lengths`: the draft lengths a step may take (compiled scoring
+        graphs; lookahead: 1, a step); `window`: a lookahead step's rows beyond its root; `fixed`: always
+        this length (where offered)."""
+        if not lengths:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
-        if fixed is not None and fixed not in score_ms:
-            raise ValueError(f"draft_length {fixed} is not compiled; available: {sorted(score_ms)}")
-        # Unknown costs (0 or None: not measured at build) start as the usual assumption: scoring
-        # k+1 tokens costs one decode step, a DLM step a tenth of it (drafts that cost nothing, such
-        # as prompt lookup's, pass 0.0). Measurements replace them within rounds.
-        decode = decode_ms if decode_ms > 0 else 1.0
-        dlm_step = 0.1 * decode if dlm_step_ms is None else dlm_step_ms
-        self.cost = {k: (v if v > 0 else decode) + (k + 1) * dlm_step for k, v in score_ms.items()}
-        self.cost[0] = decode
-        self.measured: set[int] = set()
-        self.first: dict[int, float] = {}  # a draft length's first warm round, until a second confirms it
-        self.tried: set[int] = set()  # draft lengths run at least once (whose sessions are warm)
-        self.plain_wanted = 2  # warm plain steps to measure before drafting (first, and on re-measuring)
-        self.fixed, self.adapt_costs, self.prior, self.prior_weight = fixed, adapt_costs, prior, prior_weight
+        if fixed is not None and fixed not in lengths:
+            raise ValueError(f"draft_length {fixed} is not compiled; available: {sorted(lengths)}")
+        self.method, self.price, self.lengths = method, price, sorted(lengths)
+        self.independent = method == "draft"
+        self.window, self.fixed, self.adapt, self.prior, self.prior_weight = window, fixed, adapt, prior, prior_weight
         self.priors = priors or {}  # kind -> prior acceptance, where known (else `prior`)
         self.smoothing, self.probe_every, self.probe_share = smoothing, probe_every, probe_share
-        self.remeasure_every, self.margin, self.independent = remeasure_every, margin, independent
-        # Per kind of draft (a lookup's match length: a 1-token match is right far less often than a
-        # 3-token one; one kind, 0, for other drafters): drafted tokens the TLM judged, those it accepted.
-        self.counts: dict[int, list[int]] = {}  # kind -> [tested, accepted]
-        self.kind = 0  # this round's kind, from choose() to observe()
+        self.remeasure_every, self.margin = remeasure_every, margin
+        self.counts: dict[int, list[float]] = {}  # kind -> [tested, accepted]
+        self.plain_wanted = 2 if adapt else 0  # warm plain steps to measure before drafting (first, and again)
         self.plain_in_a_row = self.drafting_in_a_row = 0
         self.wait = probe_every
-        self.catch_up = 0.0  # ms the last probe spent feeding the DLM what the plain steps before it committed
         self.rewarm = 0.0  # ms a plain step right after drafting costs over a warm one (its session sat idle)
-        self.last_k: int | None = None  # the previous round's k (None: a generation starts)
+        self.rows = 1  # the rows of the last plain step priced
+        self.last_k: int | None = None  # the previous step's length (None: nothing yet)
 
     @property
-    def k_max(self) -> int:
-        return max(k for k in self.cost if k > 0)
-
-    @property
-    def tested(self) -> int:
+    def tested(self) -> float:
         return sum(t for t, _ in self.counts.values())
 
-    @property
-    def acceptance(self) -> float:
-        """The acceptance estimate of this round's kind of draft."""
-        tested, accepted = self.counts.get(self.kind, (0, 0))
-        prior = self.priors.get(self.kind, self.prior)
+    def acceptance(self, kind: int = 0) -> float:
+        tested, accepted = self.counts.get(kind, (0, 0))
+        prior = self.priors.get(kind, self.prior)
         return (accepted + prior * self.prior_weight) / (tested + self.prior_weight)
 
-    def expected_tokens(self, k: int) -> float:
-        a = self.acceptance
+    def expected_tokens(self, k: int, kind: int = 0) -> float:
+        """What a request emits in a step that drafts k of this kind (k = 0: a plain step's 1)."""
+        a = self.acceptance(kind)
+        if self.method == "lookahead":
+            return 1.0 + a if k else 1.0
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per ms of a round that drafts k tokens (k = 0: a plain decode step)."""
-        return self.expected_tokens(k) / self.cost[k]
+    def fit(self, k: int, most: int) -> int:
+        """A request's length when the step's is k: the longest allowed up to k and what it offers."""
+        return max((j for j in self.lengths if j <= min(k, most)), default=0)
 
-    def choose(self, limit: int, kind: int = 0) -> int:
-        """The draft length for this round; at most `limit` (the slots left for scoring); `kind`: what
-        kind of draft is on offer (its acceptance is estimated apart)."""
-        self.kind = kind
+    def cost(self, k: int, extra: int, drafting: int) -> float:
+        """ms of a step whose TLM call has `extra` rows of drafts beyond `self.rows`, and for a draft model
+        k DLM calls over `drafting` requests."""
+        dlm = k * self.price("dlm", drafting) if self.independent and k and drafting else 0.0
+        return self.price("tlm", self.rows + extra) + dlm
+
+    def _rows(self, k: int) -> int:
+        return self.window if self.method == "lookahead" and k else k
+
+    def _step(self, k: int, offers: Sequence[Offer], live: int, best_first: bool) -> tuple[float, float, list[int]]:
+        """Tokens, cost and each offer's length of a step of length k: every offer drafting, or
+        (`best_first`) the likeliest kinds first, each while it raises the rate."""
+        ks, tokens, extra, drafting = [0] * len(offers), float(live), 0, 0
+        cost = self.cost(0, 0, 0)
+        order = sorted(range(len(offers)), key=lambda i: -self.acceptance(offers[i][0]))
+        for i in order:
+            kind, most = offers[i]
+            j = self.fit(k, most)
+            if not j:
+                continue
+            more = tokens + self.expected_tokens(j, kind) - 1.0
+            more_cost = self.cost(k, extra + self._rows(j), drafting + 1)
+            if best_first and more / more_cost <= tokens / cost:
+                break
+            ks[i], tokens, extra, drafting, cost = j, more, extra + self._rows(j), drafting + 1, more_cost
+        return tokens, cost, ks
+
+    def choose(self, offers: Sequence[Offer], rows: int = 1, live: int = 1) -> list[int]:
+        """Each offer's length this step (0: it does not draft); `rows`: the step's TLM rows besides
+        these drafts; `live`: the tokens the step emits without them (its running requests)."""
+        self.rows = rows
+        none = [0] * len(offers)
+        if not any(most for _, most in offers):
+            return none  # nothing on offer (no match): a plain step, not one the policy chose
         if self.fixed is not None:
-            return max((k for k in self.cost if k <= min(limit, self.fixed)), default=0)
-        if self.adapt_costs and self.plain_wanted > 0:
+            return [self.fit(self.fixed, most) for _, most in offers]
+        if self.plain_wanted > 0:
             self.drafting_in_a_row = 0
-            return 0  # measure a plain step (first, or again): it is what drafting has to beat
-        # The fastest k, where drafting must beat plain decoding by the margin: too close to call,
-        # estimation noise would make it lose as often as win; and the fastest drafting k, a
-        # probe's. (Runs every round: kept lean.)
-        best, bar, probe, probe_rate = 0, (1 + self.margin) / self.cost[0], 0, 0.0
-        for k, cost in self.cost.items():
-            if 0 < k <= limit:
-                rate = self.expected_tokens(k) / cost
-                if not probe or (rate > probe_rate if self.independent else k < probe):
-                    probe, probe_rate = k, rate
-                if rate > bar:
-                    best, bar = k, rate
-        if best > 0:
+            return none  # measure a plain step (first, or again): it is what drafting has to beat
+        most = max(m for _, m in offers)
+        plain = self.cost(0, 0, 0)
+        best, bar, probe, probe_rate = none, (1 + self.margin) * live / plain, 0, 0.0
+        for k in self.lengths:
+            if k > most:
+                break
+            tokens, cost, ks = self._step(k, offers, live, best_first=True)
+            if tokens / cost > bar:
+                best, bar = ks, tokens / cost
+            every = self._step(k, offers, live, best_first=False)
+            if not probe or (every[0] / every[1] > probe_rate if self.independent else False):
+                probe, probe_rate = k, every[0] / every[1]
+        if any(best):
             self.wait = self.probe_every
             self.drafting_in_a_row += 1
             self.plain_in_a_row = 0
             if self.drafting_in_a_row >= self.remeasure_every:
-                # A plain step's cost goes stale while drafting (one slow spell of the machine would
-                # otherwise keep it high): measure it again, warm (the first after drafting is cold).
-                self.plain_wanted = 2
+                self.plain_wanted = 2  # measure a plain step again, warm (the first after drafting is cold)
             return best
         self.drafting_in_a_row = 0
-        if probe and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe):
+        if probe and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe, offers, live):
             self.wait *= 2  # back off: the last probe did not change the choice
             self.plain_in_a_row = 0
-            return probe  # is drafting paying off again?
+            return self._step(probe, offers, live, best_first=False)[2]  # is drafting paying off again?
         self.plain_in_a_row += 1
-        return 0
+        return none
 
-    def _probe_gap(self, k: int) -> float:
-        """Plain rounds per probe of k that keep probing within probe_share of the time. A probe
-        also pays for its drafter's catch-up on the plain steps before it (a DLM prefill, cold), and
-        for the plain step after it, whose session sat idle."""
-        loss = self.cost[k] - self.expected_tokens(k) * self.cost[0] + self.catch_up + self.rewarm
-        return loss / (self.probe_share * self.cost[0])
+    def _probe_gap(self, k: int, offers: Sequence[Offer], live: int) -> float:
+        """Plain steps per probe of k that keep probing within probe_share of the time. A probe also
+        pays for its draft model's catch-up on the plain steps before it, and for the plain step after
+        it, whose session sat idle."""
+        tokens, cost, ks = self._step(k, offers, live, best_first=False)
+        plain = self.cost(0, 0, 0)
+        # the DLM's catch-up: a call over the plain steps' tokens (at least `wait` of them), per drafting request
+        catch_up = self.price("dlm", self.wait + 1) * sum(map(bool, ks)) if self.independent else 0.0
+        loss = cost - tokens / live * plain + catch_up + self.rewarm
+        return loss / (self.probe_share * plain)
 
     def new_generation(self) -> None:
+        """A new request: what was learned counts half."""
         self.counts = {kind: [tested // 2, accepted // 2] for kind, (tested, accepted) in self.counts.items()}
         self.plain_in_a_row = 0
         self.wait = self.probe_every
-        self.last_k = None
 
-    def observe(self, k: int, accepted: int, round_ms: float, catch_up_ms: float = 0.0, cold: bool = False) -> None:
-        """A finished round: k drafted (0: a decode step), how many were accepted, its wall time
-        (without `catch_up_ms`, the drafter's catch-up on earlier plain steps, which prices probes).
+    def observe(self, rounds: Sequence[tuple[int, int, int]], step_ms: float) -> None:
+        """A finished step: (kind, drafted, accepted) of each request it offered (drafted 0: a plain
+        round; lookahead: 1 for a lookahead step, and the tokens it accepted), and the step's wall time.
 
-        A plain step right after drafting (or first in a generation) runs a decode session that sat
-        idle and costs more than the steady plain decoding it stands for; the first round of a draft
-        length runs its scoring session for the first time; `cold`: the drafter ran a graph of its
-        own for the first time (its first catch-up, its first 2-token catch-up). None is measured: a
-        cold first measurement, rescaling the others, could keep the policy off the best draft length
-        for good (on stdlib-wide-spd a first DLM prefill of 5.9 ms, against 1.1-1.8 warm, spaced
-        probes ~230 plain steps apart, and a draft accepted 0.8 of the time went unused)."""
-        if k == 0 and self.last_k and 0 in self.measured:
-            self.rewarm += self.smoothing * (max(round_ms - self.cost[0], 0.0) - self.rewarm)
-        cold = cold or (self.last_k != 0 if k == 0 else k not in self.tried)
+        A plain step right after drafting (or a first) runs a decode session that sat idle: it is not
+        a warm plain step, and what it costs over one is `rewarm`, which prices probes."""
+        k = max((drafted for _, drafted, _ in rounds), default=0)
+        if k == 0 and self.last_k and self.plain_wanted == 0:
+            self.rewarm += self.smoothing * (max(step_ms - self.cost(0, 0, 0), 0.0) - self.rewarm)
+        if k == 0 and self.last_k == 0:
+            self.plain_wanted = max(0, self.plain_wanted - 1)
         self.last_k = k
-        self.tried.add(k)
-        if catch_up_ms > 0 and not cold:  # the first catch-up also opened the drafter's sessions
-            self.catch_up = catch_up_ms
-        if self.adapt_costs and not cold:
-            if k == 0:
-                self.plain_wanted = max(0, self.plain_wanted - 1)
-            if k in self.measured:
-                self.cost[k] += self.smoothing * (round_ms - self.cost[k])
-                if k == 0:  # a faster plain step counts at once: underrating plain decoding can lose
-                    self.cost[0] = min(self.cost[0], round_ms)
-            elif k and k not in self.first:  # one round of a draft length can be a spike (a DLM graph's
-                self.first[k] = round_ms     # second run took 7.6 ms against 1.9): wait for another
-            else:  # a first measurement (drafting: the faster of two) replaces the estimate, and rescales
-                measured = min(round_ms, self.first.pop(k, round_ms))  # the unmeasured drafting ones
-                scale = measured / self.cost[k]
-                self.cost[k] = measured
-                self.measured.add(k)
-                if k:
-                    for j in self.cost:
-                        if j and j not in self.measured:
-                            self.cost[j] *= scale
-        counts = self.counts.setdefault(self.kind, [0, 0])
-        counts[0] += judged(k, accepted, self.independent)
-        counts[1] += accepted
+        for kind, drafted, accepted in rounds:
+            counts = self.counts.setdefault(kind, [0, 0])
+            counts[0] += judged(drafted, accepted, self.independent)
+            counts[1] += accepted

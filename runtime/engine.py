@@ -21,10 +21,14 @@ A request may follow a leader (another request whose prompt begins its own: the 
 prompt, or the questions over one context): it forks the leader's branch once the leader's prompt is
 in the cache, so the shared tokens are prefilled once.
 
-A request may speculate (request.Speculation): its row chain is then its newest token plus this
-round's drafts, scored in the same call as everyone else's rows, verified exactly
-(runtime/rejection.py), and its rejected rows are trimmed from its branch. Draft-model drafts
-come from a second forest over the DLM's cache, every drafting request's i-th draft in one call.
+A request may speculate (a generation's drafter, or a server request's request.Speculation): its row
+chain is then its newest token plus this round's drafts, scored in the same call as everyone else's
+rows, verified exactly (runtime/rejection.py), and its rejected rows are trimmed from its branch.
+How much each request drafts is one draft policy's choice (runtime/draft_policy.py), priced by one
+cost model (`price`: each graph's call as the runners timed it, plus the host time per call the
+steps measure); greedy requests of one method and settings share the engine's policy (kept across
+requests, a generation's and the server's alike). Draft-model drafts come from a second forest over
+the DLM's cache, every drafting request's i-th draft in one call.
 
 With the prefix cache (batch-invariant artifacts), a finished request's KV stays in the forest, and
 a new request whose prompt starts with cached tokens (a chat's system prompt and earlier turns)
@@ -42,18 +46,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.artifact import Artifact
-from runtime.batch_policy import BatchDraftPolicy
-from runtime.draft_policy import judged
+from runtime.draft_policy import DraftPolicy
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
-from runtime.prompt_lookup import TABLE_KIND, table_priors
 from runtime.proposal import Drafter, Proposal
 from runtime.rejection import verify_greedy, verify_round
 from runtime.request import Decoding, Speculation
 from runtime.results import Metrics, finish_reason
 from runtime.round_stats import RoundStats
 from runtime.sampling import argmax_rows, next_token
-from runtime.speculative import batch_drafter
+from runtime.speculative import make_drafter, make_policy
 
 NONE = Proposal()  # a plain step
 NON_FINITE = ("NonFiniteLogitsError: the model produced NaN/Inf logits for this request (damaged weights, or "
@@ -81,6 +83,8 @@ class Request:
     leader: Request | None = None  # a request whose prompt begins this one's: this one forks its prefilled branch
     spec: Speculation | None = None  # a batched request's speculation: the engine makes its drafter at admission
     drafter: Drafter | None = None  # proposes each round's tree
+    policy: DraftPolicy | None = None  # chooses each round's length (Engine.policy_for)
+    kind: int = 0  # the kind of draft its drafter offered this round
     rounds: RoundStats | None = None  # a generation's speculation counters
     cancelled: bool = False
     logprobs: int | None = None  # report each new token's log probability and this many alternatives
@@ -194,12 +198,8 @@ class Engine:
         self.stats = dict(requests=0, finished=0, cancelled=0, rejected=0, tokens=0, steps=0, calls=0, busy_s=0.0,
                           drafted=0, accepted=0, prompt_tokens=0, cached_prompt_tokens=0, draft_cached_tokens=0,
                           prefix_cache_tokens=0, prefix_cache_evicted=0)
-        self.policy = BatchDraftPolicy(self._call_ms)
-        # A batch's policy pools acceptance over every request, so it cannot decline a poor kind of draft
-        # as a single generation's does: the table drafts here only at confidences that were right at
-        # least half the time on held-out answers (0.7 and above for the default recipe's table).
-        priors = table_priors(art.ngram_table)
-        self._table_kinds = {kind for kind, right in priors.items() if kind >= TABLE_KIND and right >= 0.5}
+        self.policies: dict[tuple, DraftPolicy] = {}  # greedy requests', per method and settings
+        self.host_ms = 0.0  # a step's wall time beyond its calls', per call
 
     def add(self, group: list[Request]) -> None:
         """Queue requests admitted together or not at all (checked with `check_fits` first)."""
@@ -249,10 +249,35 @@ class Engine:
                     req.branch = forest.attach(hit)
                     req.cached = len(hit)
                 if req.spec is not None:
-                    req.drafter = batch_drafter(self.art, req.spec, req.decoding.params, req.rng, dlm,
-                                                self._table_kinds, self.stats)
+                    spec, greedy = req.spec, not req.decoding.params.do_sample
+                    req.drafter = make_drafter(self.art, spec.method, spec.settings, req.decoding.params, req.rng,
+                                               dlm, self.stats)
+                    req.policy = self.policy_for(spec.method, spec.settings, spec.fixed, greedy)
                 req.admitted = time.perf_counter()
                 self.live.append(req)
+
+    def policy_for(self, method: str, settings: object, fixed: int | None, greedy: bool) -> DraftPolicy:
+        """A request's draft policy: greedy ones choosing per step share the engine's (told of each new
+        request); a sampled or fixed-length one has its own, priced by the compiler's costs alone."""
+        if greedy and fixed is None:
+            key = (method, repr(settings))
+            if key not in self.policies:
+                self.policies[key] = make_policy(self.art, method, settings, None, True, self.price)
+            self.policies[key].new_generation()
+            return self.policies[key]
+        return make_policy(self.art, method, settings, fixed, False, self.compiler_price)
+
+    def price(self, role: str, rows: int) -> float:
+        """The one cost model: ms of `rows` rows of the role's model in the cheapest calls, each graph's call
+        as its runner timed it (call_costs.GraphCosts), plus the host time per call."""
+        runner = self.art.runners[role]
+        plan = runner.plan(rows)
+        return sum(runner.costs.ms(graph) for graph, _ in plan) + len(plan) * self.host_ms
+
+    def compiler_price(self, role: str, rows: int) -> float:
+        """The same by the compiler's measurements alone (a sampled request's: no timing may steer it)."""
+        runner = self.art.runners[role]
+        return sum(runner.costs.ms(graph, adapt=False) for graph, _ in runner.plan(rows))
 
     def abort(self, req: Request, reason: str = "cancelled") -> None:
         """End a request now (a generation whose caller stopped reading, or whose step failed: "error", its
@@ -273,8 +298,9 @@ class Engine:
         forest, dlm = self.forest, self.dlm
         start, calls = time.perf_counter(), self.art.tlm.calls
         runners = [dlm.runner, forest.runner] if dlm else [forest.runner]
-        calls0, predicted0 = sum(r.calls for r in runners), sum(r.predicted_ms for r in runners)
-        accepted = self.stats["accepted"]
+        calls0, call_s0 = sum(r.calls for r in runners), sum(r.call_s for r in runners)
+        for runner in runners:
+            runner.costs.new_step()
         for req in [r for r in self.live if r.cancelled]:
             self._finish(req, "cancelled")
         for req in self.live:  # followers whose leader went away before sharing its prompt: the first leads
@@ -287,8 +313,7 @@ class Engine:
                         other.leader = req if other.prompt[: len(req.prompt)] == req.prompt else None
         running = [r for r in self.live if r.branch is not None and not _prefilling(r)]
         draft_s, speculating = time.perf_counter(), [r for r in running if r.drafter]
-        costed = any(r.spec is not None and not r.decoding.params.do_sample for r in speculating)  # batch policy
-        proposals = self._propose(speculating) if speculating else {}
+        proposals, chosen = self._propose(speculating, len(running)) if speculating else ({}, {})
         draft_s = time.perf_counter() - draft_s
         running = [r for r in running if r in self.live]  # a draft model's NaN ends only its own request
         fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
@@ -335,13 +360,17 @@ class Engine:
                 if len(req.prompt) == len(lead.prompt):
                     rows_of[id(req)] = rows_of[id(lead)]
                     req.prompt_logprobs = lead.prompt_logprobs
-        tokens, tested = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
-                                    proposals, (start, draft_s, call_s))
+        accepted: dict[int, int] = {}
+        tokens = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
+                            proposals, accepted, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
-        if costed or tested:  # the batch policy learns acceptance, and the host time per call of its steps
-            self.policy.observe(tested, self.stats["accepted"] - accepted, elapsed * 1e3,
-                                sum(r.predicted_ms for r in runners) - predicted0,
-                                sum(r.calls for r in runners) - calls0 if costed else 0)
+        for policy, members in chosen.values():  # each policy learns its requests' acceptance
+            policy.observe([(r.kind, _drafted(proposals.get(id(r), NONE), r.drafter), accepted.get(id(r), 0))
+                            for r in members], elapsed * 1e3)
+        n = sum(r.calls for r in runners) - calls0
+        if n:  # the cost model's host time per call
+            host = max(0.0, (elapsed - sum(r.call_s for r in runners) + call_s0) * 1e3 / n)
+            self.host_ms = host if self.host_ms == 0.0 else self.host_ms + 0.2 * (host - self.host_ms)
         self.stats["tokens"] += tokens
         self.stats["steps"] += 1
         self.stats["calls"] += self.art.tlm.calls - calls
@@ -350,12 +379,12 @@ class Engine:
             self.stats["prefix_cache_tokens"] = forest.cache.tokens
             self.stats["prefix_cache_evicted"] = forest.cache.evicted
 
-    def _emit(self, done: list[Request], rows_of: dict, proposals: dict[int, Proposal],
-              times: tuple[float, float, float]) -> tuple[int, int]:
+    def _emit(self, done: list[Request], rows_of: dict, proposals: dict[int, Proposal], accepted: dict[int, int],
+              times: tuple[float, float, float]) -> int:
         """Verify (drafts) or sample (a plain row) each request's next tokens, emit them, finish those that
         stop. `rows` are a request's logits, or its greedy tokens where the step fetched no logits.
-        Returns the tokens emitted and the drafts the TLM judged."""
-        now, tokens, tested = time.perf_counter(), 0, 0
+        Returns the tokens emitted; `accepted` gets each drafting request's accepted drafts."""
+        now, tokens = time.perf_counter(), 0
         for req in done:
             (rows, s), proposal = rows_of[id(req)], proposals.get(id(req), NONE)
             greedy = rows.ndim == 1  # each row's greedy token (-1: NaN/Inf logits)
@@ -378,8 +407,7 @@ class Engine:
                 emitted, choosers = [*call[path].tolist(), nxt], [0, *path]
                 self.stats["drafted"] += len(proposal.tokens)
                 self.stats["accepted"] += len(path)
-                if req.spec is not None:
-                    tested += judged(len(proposal.tokens), len(path), req.spec.method == "draft")
+                accepted[id(req)] = len(path)
             else:
                 emitted = [int(rows[-1]) if greedy else next_token(rows[-1], req.decoding.params, req.rng)]
             if req.drafter is not None and req.tokens:  # a round (the prompt's first token is not one)
@@ -403,42 +431,43 @@ class Engine:
                     break
             if first and req.drafter is not None and req in self.live:
                 req.drafter.start(req.prompt + req.tokens)  # the prompt and the first token
-        return tokens, tested
+        return tokens
 
-    def _propose(self, reqs: list[Request]) -> dict[int, Proposal]:
-        """This round's tree of each speculating request, from its drafter: at most its room in the
-        context, and for a batched request (`spec`) the batch policy's length when it is greedy (its own
-        when it samples). A drafter class with `propose_batch` proposes for all its requests at once."""
-        forest, groups = self.forest, {}
-        greedy = [r for r in reqs if r.spec is not None and not r.decoding.params.do_sample]
-        k_greedy = self.policy.choose(len(self.live), len(greedy), sum(r.spec.method == "draft" for r in greedy),
-                                      max(r.spec.k for r in greedy)) if greedy else 0
+    def _propose(self, reqs: list[Request], rows: int) -> tuple[dict[int, Proposal], dict[int, tuple]]:
+        """This round's tree of each speculating request: what its drafter offers (at most its room in the
+        context, and a server request's reserved slots), of the length its policy chooses (a shared one
+        for all its requests at once, pricing the step's `rows` and the drafts chosen before). A drafter
+        class with `propose_batch` proposes for all its requests at once. Returns the proposals and the
+        requests of each policy that chose."""
+        forest, texts, chosen, ks = self.forest, {}, {}, {}
         for req in reqs:
             room = forest.runner.max_length - 1 - req.branch.length
-            if req.spec is not None:
-                room = req.spec.room(req.spec.k if req.decoding.params.do_sample else k_greedy, room)
-            groups.setdefault(type(req.drafter), []).append((req, room))
+            texts[id(req)] = text = req.prompt + req.tokens
+            req.kind, most = req.drafter.offer(text, room if req.spec is None else min(room, req.spec.k))
+            chosen.setdefault(id(req.policy), (req.policy, []))[1].append((req, most))
+        live = rows  # the running requests: each emits a token
+        for policy, members in chosen.values():
+            shared = policy in self.policies.values()  # else a request's own: priced as if alone
+            lengths = policy.choose([(r.kind, most) for r, most in members], *((rows, live) if shared else (1, 1)))
+            for (req, _), k in zip(members, lengths, strict=True):
+                ks[id(req)] = k
+                rows += policy.window if policy.method == "lookahead" and k else k
+        groups: dict[type, list[Request]] = {}
+        for req in reqs:
+            groups.setdefault(type(req.drafter), []).append(req)
         out = {}
         for kind, group in groups.items():
-            texts = [r.prompt + r.tokens for r, _ in group]
             batch = getattr(kind, "propose_batch", None)
-            proposals = batch([r.drafter for r, _ in group], texts, [room for _, room in group]) if batch else \
-                [r.drafter.propose(text, room) for (r, room), text in zip(group, texts, strict=True)]
-            for (req, _), p in zip(group, proposals, strict=True):
+            proposals = batch([r.drafter for r in group], [texts[id(r)] for r in group], [ks[id(r)] for r in group]) \
+                if batch else [r.drafter.propose(texts[id(r)], ks[id(r)]) for r in group]
+            for req, p in zip(group, proposals, strict=True):
                 if p is None:
                     self._finish(req, "error", NON_FINITE.replace("model", "draft model"))
                 elif req.spec is None and 1 + len(p.tokens) + len(p.aux_tokens) > forest.free_slots():
                     out[id(req)] = NONE  # a generation's drafts take slots until verified: near a full cache, plainly
                 else:
                     out[id(req)] = p
-        return out
-
-    def _call_ms(self, role: str, rows: int) -> tuple[float, int]:
-        """The compiler's measured cost of `rows` rows in the cheapest calls (1 ms a call where nothing
-        was measured), and the number of calls."""
-        runner = self.art.runners[role]
-        plan = runner.plan(rows)
-        return sum(runner.entries[graph].cost_ms or 1.0 for graph, _ in plan), len(plan)
+        return out, {key: (policy, [r for r, _ in members]) for key, (policy, members) in chosen.items()}
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         forest = self.forest
@@ -463,6 +492,13 @@ def engine_of(art: Artifact) -> Engine:
     if art.engine is None:
         art.engine = Engine(art)
     return art.engine
+
+
+def _drafted(proposal: Proposal, drafter: Drafter) -> int:
+    """What a round drafted, as the policy counts it: its tokens (lookahead: 1 for a step, 0 for none)."""
+    if drafter.name == "lookahead":
+        return int(not proposal.empty)
+    return len(proposal.tokens)
 
 
 def _prefilling(req: Request) -> bool:

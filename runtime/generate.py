@@ -53,8 +53,9 @@ class Generation:
     def _request(self, engine: Engine, events: list[Event]) -> Request:
         req = Request(list(self.prompt_ids), self.d, self.max_new_tokens, events.append)
         if self.method is not None:
-            req.drafter = make_drafter(self.art, self.method, self.settings, self.d.params, self.draft_params, req.rng,
-                                       self.draft_length, engine.dlm, engine.stats)
+            req.drafter = make_drafter(self.art, self.method, self.settings, self.draft_params, req.rng, engine.dlm,
+                                       engine.stats)
+            req.policy = engine.policy_for(self.method, self.settings, self.draft_length, not self.d.params.do_sample)
             req.rounds = RoundStats()
         return req
 

@@ -9,8 +9,8 @@ per key) once all levels are filled; then the levels shift up and the guesses be
 level. N-grams of the committed text (prompt included) go into the pool too. Candidates are
 deterministic, verified exactly (runtime/rejection.py); the window's KV is never committed.
 
-Whether a lookahead step pays (it costs several decode steps on a CPU) is a policy choice:
-`LookaheadPolicy` compares its measured tokens per step and cost with a plain decode step.
+Whether a lookahead step pays (it costs several decode steps on a CPU) is the draft policy's choice
+(runtime/draft_policy.py): it compares the tokens a step accepts and its cost with a plain decode step.
 """
 
 from __future__ import annotations
@@ -21,18 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from common.recipe import LookaheadSettings
-from runtime.draft_policy import DraftPolicy
 from runtime.proposal import Proposal
-
-
-class LookaheadPolicy(DraftPolicy):
-    """Option 1 is a lookahead step, 0 a plain step; `accepted` counts tokens accepted per step."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, independent=False, **kwargs)  # acceptance: tokens per step, not per draft
-
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + self.acceptance if k else 1.0
 
 
 def window_sees(levels: int, width: int) -> np.ndarray:
@@ -50,9 +39,10 @@ def window_sees(levels: int, width: int) -> np.ndarray:
 class Lookahead:
     name = "lookahead"
 
-    def __init__(self, settings: LookaheadSettings, policy: LookaheadPolicy) -> None:
+    def __init__(self, settings: LookaheadSettings) -> None:
         self.n, self.w, self.g = settings.ngram, settings.window, settings.guesses
-        self.policy = policy
+        self.grams: dict[tuple[int, ...], None] = {}  # this step's candidates, offered and then proposed
+        self.room, self.fits = 0, False
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.levels: list[np.ndarray] = []
         self.seen = 0  # committed tokens already cut into pool n-grams
@@ -79,12 +69,19 @@ class Lookahead:
         text = np.asarray(committed, np.int64)
         self.levels = [np.resize(text[-self.w - 1 : -1] if len(text) > 1 else text, self.w)]
 
-    def propose(self, committed: list[int], room: int) -> Proposal:
+    def offer(self, committed: list[int], room: int) -> tuple[int, int]:
+        """A step to offer (1) when there are candidates or the window fits the context (0: neither)."""
         self._add_text(committed)
-        grams = self.pool.get(committed[-1], {})
-        fits = len(self.levels) + self.w - 1 <= room  # else the window's positions would leave the context
-        if not (grams or fits) or self.policy.choose(room) == 0:
-            return Proposal()  # nothing to score (or it does not pay): a plain step
+        self.grams = self.pool.get(committed[-1], {})
+        self.room = room
+        self.fits = len(self.levels) + self.w - 1 <= room  # else the window's positions would leave the context
+        return 0, int(bool(self.grams) or self.fits)
+
+    def propose(self, committed: list[int], k: int) -> Proposal:
+        """A whole step (as far as the context allows) when k is not 0; else a plain one."""
+        grams, room, fits = self.grams, self.room, self.fits
+        if not k or not (grams or fits):
+            return Proposal()
         tokens, parents = [], []
         trie: dict[tuple[int, ...], int] = {}
         for gram in reversed(grams):  # most recent first
@@ -102,7 +99,6 @@ class Lookahead:
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
         stepped = len(proposal.aux_tokens) > 0
-        self.policy.observe(int(stepped or len(proposal.tokens) > 0), accepted, round_ms)
         if stepped:
             self.windows += 1
             guesses = best(slice(-self.w, None))

@@ -29,6 +29,7 @@ import numpy as np
 from common import graph_io
 from common.manifest import GraphEntry, ModelEntry
 from common.targets import TARGETS, Target, parked_pools
+from runtime.call_costs import GraphCosts
 from runtime.device_placement import DevicePlacement
 from runtime.host_placement import HostPlacement
 from runtime.placement import BoundGraph, Placement
@@ -73,13 +74,13 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.writes = 0  # changes to the cache's contents or length (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
-        self.predicted_ms = 0.0  # the same calls by the compiler's measured costs (1 ms a call where none was measured)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
         with parked_pools():
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
                            for name, g in entry.graphs.items()}
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
+        self.costs = GraphCosts(lambda graph: self.entries[graph].cost_ms or 1.0)  # as this process times them
         self._planned_for: tuple[GraphEntry, ...] = ()
         self._plans: dict[tuple[int, int | None], list[tuple[str, int]]] = {}
         # every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py), so greedy
@@ -176,9 +177,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         g.run()
         logits = g.logits()[0, :out] if fetch else None
-        self.call_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.call_s += took
+        self.costs.record(graph, took * 1e3)
         self.calls += 1
-        self.predicted_ms += self.entries[graph].cost_ms or 1.0
         self.warm.add(graph)
         self._last, self._first, self._rows = g, first, out
         if check and not (np.isfinite(logits).all() if fetch else g.finite(out).all()):

@@ -5,19 +5,18 @@ of its input; matching the last n tokens (n = ngram, falling back to shorter) ag
 and what was generated proposes those spans for free. Where that finds no match of two tokens or
 more and the artifact ships an n-gram table of its TLM's own answers (common/ngram_table.py), the
 table's guesses are the draft. The draft is a deterministic chain, verified exactly
-(runtime/rejection.py). How much of it to score is the draft policy's choice (its cost model with
+(runtime/rejection.py). How much of it to score is the draft policy's choice (runtime/draft_policy.py:
 free drafts, acceptance per kind of draft), and no draft means a plain decode step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
 import numpy as np
 
 from common.ngram_table import NgramTable
 from common.recipe import PromptLookupSettings
-from runtime.draft_policy import DraftPolicy
 from runtime.proposal import Proposal
 
 
@@ -39,17 +38,16 @@ def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.
 TABLE_KIND = 100  # kinds of draft: a match of n tokens is n (n <= 64); a table guess 100 + its confidence in tenths
 
 
-def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | None,
-          table_kinds: Container[int] | None = None) -> tuple[int, np.ndarray]:
+def draft(text: list[int], settings: PromptLookupSettings, table: NgramTable | None) -> tuple[int, np.ndarray]:
     """This round's draft and its kind (0: none). A match of one token was right 18% of the time on the
     default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9 and
     above about 80% (docs/benchmarks-history.md): the table takes over where the text offers only a 1-token
-    match. `table_kinds`: the kinds of table draft to offer (None: all)."""
+    match."""
     n, found = lookup_match(np.asarray(text, np.int64), settings.ngram, settings.max_draft)
     if n < 2 and table is not None and settings.table:
         confidence, guessed = table.chain(text, settings.max_draft, settings.min_confidence)
         kind = TABLE_KIND + int(confidence * 10)
-        if guessed and (table_kinds is None or kind in table_kinds):
+        if guessed:
             return kind, np.asarray(guessed, np.int64)
     return n, found
 
@@ -70,27 +68,29 @@ def table_priors(table: NgramTable | None) -> dict[int, float]:
 class PromptLookup:
     name = "prompt_lookup"
 
-    def __init__(self, settings: PromptLookupSettings, policy: DraftPolicy, table: NgramTable | None,
-                 table_kinds: Container[int] | None = None) -> None:
-        """`table_kinds`: the kinds of table guess to draft (None: all; `draft`)."""
-        self.settings, self.policy, self.table, self.table_kinds = settings, policy, table, table_kinds
+    def __init__(self, settings: PromptLookupSettings, table: NgramTable | None) -> None:
+        self.settings, self.table = settings, table
+        self.found = np.zeros(0, np.int64)  # this step's draft, offered and then proposed
         self.matched_rounds = self.table_rounds = 0
 
     def start(self, committed: list[int]) -> None:
-        pass  # a kept policy was told of the new generation when it was handed out
+        pass
 
-    def propose(self, committed: list[int], room: int) -> Proposal:
-        kind, found = draft(committed, self.settings, self.table, self.table_kinds)
+    def offer(self, committed: list[int], room: int) -> tuple[int, int]:
         # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
         # 18% of the time, a 3-token one 63% (docs/benchmarks-history.md).
-        k = self.policy.choose(min(room, len(found)), kind=kind) if len(found) else 0
+        kind, found = draft(committed, self.settings, self.table)
+        self.found = found[:room]
         self.matched_rounds += 0 < kind < TABLE_KIND
         self.table_rounds += kind >= TABLE_KIND
-        return Proposal.chain(found[:k])
+        return kind, len(self.found)
+
+    def propose(self, committed: list[int], k: int) -> Proposal:
+        return Proposal.chain(self.found[:k])
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:
-        self.policy.observe(len(proposal.tokens), accepted, round_ms)
+        pass
 
     def end(self, text: list[int] | None) -> None:
         pass

@@ -1,9 +1,10 @@
 """What a drafter hands the round loop: a token tree to verify, plus any auxiliary rows it needs.
 
-A drafter is a small object with a narrow interface (`Drafter`): `start` once per request, `propose`
-a tree each round, `observe` what the TLM accepted, `end`. A drafter class may also offer
-`propose_batch(drafters, texts, rooms)`, which the engine calls once for all its requests of that
-class in a step (the server's draft model: every request's i-th draft in one call). The engine
+A drafter is a small object with a narrow interface (`Drafter`): `start` once per request, each round
+`offer` what it could draft (its kind and most tokens) and `propose` a tree of the length the engine's
+draft policy chose (runtime/draft_policy.py), `observe` what the TLM accepted, `end`. A drafter class
+may also offer `propose_batch(drafters, texts, lengths)`, which the engine calls once for all its
+requests of that class in a step (a draft model: every request's i-th draft in one call). The engine
 (runtime/engine.py) scores every proposal the same way: one TLM call over the root, the tree and
 the auxiliary rows (row layout and mask conventions: common/graph_io.py), exact verification
 (runtime/rejection.py), a commit of the accepted path.
@@ -80,9 +81,13 @@ class Drafter(Protocol):
     def start(self, committed: list[int]) -> None:
         """A new generation: `committed` is the prompt and the first generated token."""
 
-    def propose(self, committed: list[int], room: int) -> Proposal | None:
-        """This round's tree, at most `room` deep (an empty one: a plain decode step; None: the drafter's
-        model gave NaN/Inf logits, and the request ends with an error)."""
+    def offer(self, committed: list[int], room: int) -> tuple[int, int]:
+        """What this round could draft: its kind (the policy's acceptance is estimated per kind) and the
+        most tokens (at most `room`, the context's; 0: nothing to draft)."""
+
+    def propose(self, committed: list[int], k: int) -> Proposal | None:
+        """This round's tree of length k, as offered (k = 0, or an empty tree: a plain decode step; None:
+        the drafter's model gave NaN/Inf logits, and the request ends with an error)."""
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
                 round_ms: float) -> None:

@@ -121,45 +121,29 @@ def check_draft_length(art: Artifact, method: str | None, settings: object, draf
 
 @dataclass(frozen=True)
 class Speculation:
-    """Speculation as the scheduler runs it for one request: every round drafts the longest allowed
-    length up to the request's draft length. The policy is fixed, not adaptive: in a shared batch a
-    request's round time is not its own, so there is nothing of its own to measure. A round with the
-    same length as a single generation's (generate(..., draft_length=k)) draws the same random numbers."""
+    """A server request's speculation, which the engine turns into its drafter and draft policy at
+    admission (a generation's are made by its caller). The cache reserves `k` slots for a round's drafts."""
 
     method: str  # "draft", "prompt_lookup" or "lookahead"
-    lengths: tuple[int, ...]  # the draft lengths a round may use, ascending, 0 (a plain step) first
-    settings: PromptLookupSettings | LookaheadSettings | None = None  # lookahead: its step's rows - 1 is k
-
-    @property
-    def k(self) -> int:
-        return self.lengths[-1]
-
-    def room(self, k: int, context_room: int) -> int:
-        """The most a round's drafter may propose when the step's length is k (0: a plain step): the
-        longest allowed length up to k and the context; a lookahead step runs whole (as far as the
-        context allows) whenever k is not 0, since its window is not a chain of k drafts."""
-        if self.method == "lookahead":
-            return context_room if min(k, context_room) else 0
-        return max(length for length in self.lengths if length <= min(k, context_room))
+    k: int  # the most tokens a round drafts (lookahead: a step's rows beyond the root)
+    settings: PromptLookupSettings | LookaheadSettings | None = None
+    fixed: int | None = None  # draft_length: every round drafts this many (where it can)
 
 
 def batched_speculation(art: Artifact, speculative: object, draft_length: object = None) -> Speculation | None:
     """A server request's speculation (None: the method is off)."""
     method = speculation_method(art, speculative)
     settings = method_settings(art, method, None, {"max_draft": draft_length} if method == "prompt_lookup" and
-                               isinstance(draft_length, int) else None)  # a shorter match is all a round scores
+                               isinstance(draft_length, int) else None)  # the body's one way to draft longer
     check_draft_length(art, method, settings, draft_length)
     if method is None:
         return None
     if method == "lookahead":  # each request keeps its own window; a step scores all its rows
         assert isinstance(settings, LookaheadSettings)
-        return Speculation(method, (0, lookahead_rows(art, settings) - 1), settings)
-    if method == "draft":
-        ks = scoring_draft_lengths(art)
-        cap = draft_length or max(ks)
-        return Speculation(method, (0, *[k for k in ks if k <= cap]))
-    assert isinstance(settings, PromptLookupSettings)
-    return Speculation(method, tuple(range((draft_length or settings.max_draft) + 1)), settings)
+        return Speculation(method, lookahead_rows(art, settings) - 1, settings)
+    assert draft_length is None or isinstance(draft_length, int)
+    most = max(scoring_draft_lengths(art)) if method == "draft" else settings.max_draft
+    return Speculation(method, draft_length or most, settings, draft_length)
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:

@@ -1,16 +1,16 @@
-"""Speculative decoding: the drafter of each method, with its policy, for a generation on the engine.
+"""Speculative decoding: the drafter and the draft policy of each method, for the engine's requests.
 
 Each round a drafter (runtime/draft_model.py, prompt_lookup.py, lookahead.py) proposes a token
 tree under the root (the last committed token); the engine (runtime/engine.py) scores the root,
 the tree and any rows the drafter needs in one call, runtime/rejection.py accepts one root-to-node
 path exactly and emits one more token, and the rejected rows leave the cache. An empty proposal is
-a plain decode step (the policies choose one when drafting does not pay). Invariant between rounds:
+a plain decode step (the policy chooses one when drafting does not pay). Invariant between rounds:
 the TLM has processed every committed token but the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,23 +20,11 @@ from runtime.artifact import Artifact
 from runtime.draft_model import DraftModelDrafter
 from runtime.draft_policy import DraftPolicy
 from runtime.forest import Forest
-from runtime.lookahead import Lookahead, LookaheadPolicy
+from runtime.lookahead import Lookahead
 from runtime.prompt_lookup import PromptLookup, table_priors
 from runtime.proposal import Drafter
-from runtime.request import Speculation, lookahead_rows, scoring_draft_lengths
+from runtime.request import lookahead_rows, scoring_draft_lengths
 from runtime.sampling import SamplingParams
-
-
-def _policy(art: Artifact, key: tuple, make: Callable[[], DraftPolicy], adaptive: bool) -> DraftPolicy:
-    """An adaptive policy (greedy TLM, nothing fixed) is kept on the artifact per method and
-    settings, so what it measured serves the next generation too."""
-    if adaptive and key in art.policies:
-        art.policies[key].new_generation()
-        return art.policies[key]
-    policy = make()
-    if adaptive:
-        art.policies[key] = policy
-    return policy
 
 
 def warm_up(art: Artifact, method: str | None, settings: object) -> None:
@@ -53,54 +41,32 @@ def warm_up(art: Artifact, method: str | None, settings: object) -> None:
         art.dlm.warm_up(art.dlm.graphs)
 
 
-def make_drafter(art: Artifact, method: str, settings: object, params: SamplingParams,
-                 draft_params: SamplingParams, rng: np.random.Generator, draft_length: int | None,
-                 dlm: Forest | None, counters: dict) -> Drafter:
-    """The drafter for `method`, with its policy costed from the compiler's measured graph costs; `dlm`:
-    the engine's forest over the draft model's cache, `counters` its stats."""
-    tlm = art.manifest.models["tlm"].graphs
-    sizes = {name: g.tokens for name, g in tlm.items()}
-
-    def cost(rows: int) -> float:
-        return tlm[graph_io.fitting_graph(sizes, rows)].cost_ms
-
-    decode, adapt = tlm[graph_io.DECODE].cost_ms, not params.do_sample
+def make_drafter(art: Artifact, method: str, settings: object, draft_params: SamplingParams,
+                 rng: np.random.Generator, dlm: Forest | None, counters: dict) -> Drafter:
+    """The drafter for `method`; `dlm`: the engine's forest over the draft model's cache, `counters` its
+    stats. It drafts the lengths the engine's policy gives (`make_policy`)."""
+    warm_up(art, method, settings)
     if method == "draft":
-        ks = scoring_draft_lengths(art)
-        dlm_step = art.manifest.models["dlm"].graphs[graph_io.DECODE].cost_ms or None
-        policy = _policy(art, ("draft",), lambda: DraftPolicy(
-            {k: cost(k + 1) for k in ks}, decode, dlm_step, draft_length, adapt), adapt and draft_length is None)
-        warm_up(art, method, settings)
-        return DraftModelDrafter(dlm, draft_params, rng, policy, counters)
+        assert dlm is not None
+        return DraftModelDrafter(dlm, draft_params, rng, counters)
     if method == "prompt_lookup":
         assert isinstance(settings, PromptLookupSettings)
-        warm_up(art, method, settings)
-        fixed = draft_length or (None if settings.adaptive else settings.max_draft)
-        table = art.ngram_table if settings.table else None
-        key = ("prompt_lookup", settings.ngram, settings.max_draft, table is not None, settings.min_confidence)
-        policy = _policy(art, key, lambda: DraftPolicy(
-            {k: cost(k + 1) for k in range(1, settings.max_draft + 1)}, decode, 0.0, fixed, adapt, independent=False,
-            priors=table_priors(table)), adapt and fixed is None)
-        return PromptLookup(settings, policy, table)
+        return PromptLookup(settings, art.ngram_table if settings.table else None)
     assert method == "lookahead" and isinstance(settings, LookaheadSettings)
-    t = lookahead_rows(art, settings)
-    warm_up(art, method, settings)
-    fixed = None if settings.adaptive else 1
-    key = ("lookahead", settings.ngram, settings.window, settings.guesses)
-    policy = _policy(art, key, lambda: LookaheadPolicy({1: cost(t)}, decode, 0.0, fixed, adapt),
-                     adapt and fixed is None)
-    return Lookahead(settings, policy)
+    return Lookahead(settings)
 
 
-def batch_drafter(art: Artifact, spec: Speculation, params: SamplingParams, rng: np.random.Generator,
-                  dlm: Forest | None, table_kinds: Container[int], counters: dict) -> Drafter:
-    """A batched request's drafter (the server's): the engine sets each round's length (its batch policy's
-    for a greedy request, the request's own when it samples), so the drafter's policy is fixed at the most."""
-    if spec.method == "draft":
-        assert dlm is not None
-        return DraftModelDrafter(dlm, params, rng, counters=counters)
-    if spec.method == "prompt_lookup":
-        policy = DraftPolicy({k: 0.0 for k in spec.lengths if k}, 1.0, 0.0, spec.k, adapt_costs=False,
-                             independent=False)
-        return PromptLookup(spec.settings, policy, art.ngram_table, table_kinds)
-    return Lookahead(spec.settings, LookaheadPolicy({1: 1.0}, 1.0, 0.0, fixed=1))
+def make_policy(art: Artifact, method: str, settings: object, fixed: int | None, adapt: bool,
+                price: Callable[[str, int], float]) -> DraftPolicy:
+    """The draft policy of `method`'s requests (runtime/draft_policy.py): its lengths are the compiled ones
+    (prompt lookup: up to max_draft; lookahead: a whole step), `fixed` one of them, `price` the engine's."""
+    if method == "draft":
+        return DraftPolicy(method, price, scoring_draft_lengths(art), fixed=fixed, adapt=adapt)
+    if method == "prompt_lookup":
+        assert isinstance(settings, PromptLookupSettings)
+        fixed = fixed or (None if settings.adaptive else settings.max_draft)
+        priors = table_priors(art.ngram_table if settings.table else None)
+        return DraftPolicy(method, price, range(1, settings.max_draft + 1), fixed=fixed, adapt=adapt, priors=priors)
+    assert method == "lookahead" and isinstance(settings, LookaheadSettings)
+    return DraftPolicy(method, price, [1], window=lookahead_rows(art, settings) - 1,
+                       fixed=None if settings.adaptive else 1, adapt=adapt)

@@ -72,6 +72,12 @@ def fewest_calls(monkeypatch):
         {name: (g.tokens, 0.0) for name, g in self.entries.items()}, rows, max_rows))
 
 
+def always_draft(self, offers, rows=1, live=1):
+    """A stand-in for the cost-based draft policy: every offer drafts the longest length it can (a fixed
+    policy its own)."""
+    return [self.fit(self.fixed or max(self.lengths), most) for _, most in offers]
+
+
 def set_costs(art, role: str, cost) -> None:
     """Pretend the compiler measured cost(T) ms for each graph of `role` in a loaded artifact."""
     graphs = art.manifest.models[role].graphs

@@ -17,7 +17,7 @@ import pytest
 import runtime
 from common import graph_io
 from common.targets import TARGETS, compiled_session_options, get_target
-from tests.conftest import FORMATS, artifact
+from tests.conftest import FORMATS, always_draft, artifact
 
 CPU, CUDA = TARGETS["ort-cpu"], TARGETS["ort-cuda"]
 
@@ -149,11 +149,11 @@ def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, t
 def test_concurrent_server_requests_equal_autoregressive_on_mxfp6(flat, checkpoints, tmp_path_factory, fmt,
                                                                   monkeypatch):
     """The scheduler (the server's engine): speculating and plain greedy requests in shared calls."""
-    from runtime.batch_policy import BatchDraftPolicy
+    from runtime.draft_policy import DraftPolicy
     from runtime.request import batched_speculation, decoding
     from serve.scheduler import Scheduler
 
-    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
     art = artifact(flat, checkpoints, tmp_path_factory, fmt, dlm=True)
     prompts = PROMPTS[:4]
     for method in ("draft", "prompt_lookup", "lookahead"):

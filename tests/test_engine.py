@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import runtime
-from runtime.batch_policy import BatchDraftPolicy
+from runtime.draft_policy import DraftPolicy
 from runtime.engine import Engine, engine_of, make_requests
 from runtime.request import batched_speculation, decoding
 from runtime.round_stats import RoundStats
 from runtime.speculative import make_drafter
+from tests.conftest import always_draft
 
 N = 12
 LONG = [0, *range(20, 60)]  # past several prefill chunks of the largest graph
@@ -33,7 +34,7 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
     the server's prompt lookup and draft model (the batch's chains), and a generation's own lookahead drafter
     with its tree and window rows. Every greedy output equals that prompt decoded alone, and the rows of
     several requests shared calls."""
-    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
     greedy = decoding(max_new_tokens=N, do_sample=False)
     out: dict[int, list[int]] = {}
 
@@ -51,8 +52,8 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
     for r, method, settings, length in ((reqs[4], "lookahead", every_round, None), (reqs[5], "draft", None, 2)):
         # a generation's own drafters: lookahead's tree and window rows; a draft model drafting with its own
         # (fixed) policy, in the same DLM calls as the server's draft-model request
-        r.drafter = make_drafter(art, method, settings, r.decoding.params, r.decoding.params, r.rng, length,
-                                 engine.dlm, engine.stats)
+        r.drafter = make_drafter(art, method, settings, r.decoding.params, r.rng, engine.dlm, engine.stats)
+        r.policy = engine.policy_for(method, settings, length, greedy=True)
         r.rounds = RoundStats()
     for r in reqs:
         engine.add([r])
@@ -132,7 +133,7 @@ def test_an_echo_whose_last_chunk_is_one_token_scores_the_whole_prompt(art):
 
 
 def test_a_draft_models_nan_ends_only_its_own_request(art, monkeypatch):
-    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
     good_prompt, bad_prompt = [0, 9, 8, 7, 6], [0, 201, 202, 203]
     good_out, bad_out = (_alone(art, p, speculative=False) for p in (good_prompt, bad_prompt))
     poison = next(t for t in bad_out[2:] if t not in good_out + good_prompt)  # fed to the DLM by the bad one only
@@ -180,17 +181,16 @@ def test_followers_of_a_leader_gone_before_its_prompt_was_in_follow_the_next(art
             art, prompt, max_new_tokens=N, do_sample=True, seed=s, speculative=False).token_ids
 
 
-def test_a_server_lookahead_step_runs_whole_whatever_length_the_batch_policy_chose(art, monkeypatch):
-    """A lookahead step is its window and candidates, not a chain of k drafts: any non-zero length the batch
-    policy chooses (its probe's 1 included) runs the whole step, as far as the context allows, and its
-    output is the prompt's decoded alone."""
-    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: 1)
+def test_a_server_lookahead_step_runs_whole_when_the_policy_takes_it(art, monkeypatch):
+    """A lookahead step is its window and candidates, not a chain of k drafts: its policy's one length (1)
+    prices the whole step's rows and runs it whole, as far as the context allows, and its output is the
+    prompt's decoded alone."""
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
     spec = batched_speculation(art, "lookahead")
-    assert spec.room(1, 100) == 100 and spec.room(0, 100) == 0 and spec.room(3, 0) == 0
-    draft = batched_speculation(art, "draft")  # a chain: the longest compiled length within both
-    assert draft.room(100, 5) == max(k for k in draft.lengths if k <= 5) and draft.room(1, 100) == 1
-    out = []
     engine = Engine(art, prefix_cache=False)
+    policy = engine.policy_for(spec.method, spec.settings, spec.fixed, greedy=True)
+    assert policy.lengths == [1] and policy.window == spec.k  # a step's rows beyond its root
+    out = []
     req = make_requests(art, REPEATS, [decoding(max_new_tokens=N, do_sample=False)],
                         [lambda e: out.append(e.token) if e.token is not None else None], spec)[0]
     engine.add([req])

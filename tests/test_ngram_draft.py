@@ -19,7 +19,7 @@ from export.pipeline import build_artifact
 from recipes import ngram_draft
 from recipes.default_pair import byte_tokenizer
 from runtime.prompt_lookup import TABLE_KIND, draft
-from tests.conftest import tiny_recipe
+from tests.conftest import always_draft, tiny_recipe
 
 PROMPTS = [[0, 7, 8, 9, 10], [0, 20, 21], [0, 30, 31, 32, 33, 34], [0, 40], [0, 50, 51, 52]]
 
@@ -134,7 +134,6 @@ def test_draft_prefers_a_long_match_then_the_table_then_a_short_match(tmp_path):
     assert draft([5, 9, 4, 5], replace(s, table=False), table)[0] == 1  # off: the 1-token match
     assert draft([5, 9, 4, 5], s, None)[0] == 1
     assert draft([33, 9, 4, 33], s, table)[0] == 1  # nothing in the table after 33
-    assert draft([5, 9, 4, 5], s, table, table_kinds={TABLE_KIND + 9})[0] == 1  # a kind not offered: the match
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +207,11 @@ def test_the_build_command_answers_counts_and_writes_a_record(artifact_dir, tmp_
 
 
 def test_the_server_scheduler_drafts_from_the_table_too(with_table, monkeypatch):
-    from runtime.batch_policy import BatchDraftPolicy
+    from runtime.draft_policy import DraftPolicy
     from runtime.request import batched_speculation, decoding
     from serve.scheduler import Scheduler
 
-    monkeypatch.setattr(BatchDraftPolicy, "choose", lambda self, live, drafting, with_dlm, k_max: k_max)
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
     art, answers = with_table
     monkeypatch.setattr(art, "eos_token_ids", frozenset())
 
@@ -266,11 +265,16 @@ def test_table_kinds_start_at_the_tables_held_out_agreement(tmp_path):
     assert priors[TABLE_KIND + 4] == 0.1 and priors[TABLE_KIND + 9] == 0.9 and table_priors(None) == {}
     assert priors[TABLE_KIND + 6] == 0.6 and len(priors) == 12  # no held-out rate: the confidence itself
     assert priors[1] == 0.15 and 2 not in priors  # a 1-token text match, as measured; 2 tokens: the default
-    policy = DraftPolicy({1: 1.2, 2: 1.3}, 1.0, 0.0, adapt_costs=False, independent=False, priors=priors)
-    assert policy.choose(2, kind=TABLE_KIND + 4) == 0  # right 10% of the time: a plain step is faster
-    assert policy.choose(2, kind=TABLE_KIND + 9) == 2
-    assert policy.choose(2, kind=3) > 0  # a kind without a prior starts at 0.5
-    assert DraftPolicy({1: 1.2, 2: 1.3}, 1.0, 0.0, adapt_costs=False, prior=0.1).choose(2, kind=3) == 0
+    costs = {1: 1.0, 2: 1.2, 3: 1.3}  # ms of a call of so many rows
+
+    def price(role, rows):
+        return costs[rows]
+
+    policy = DraftPolicy("prompt_lookup", price, [1, 2], adapt=False, priors=priors)
+    assert policy.choose([(TABLE_KIND + 4, 2)]) == [0]  # right 10% of the time: a plain step is faster
+    assert policy.choose([(TABLE_KIND + 9, 2)]) == [2]
+    assert policy.choose([(3, 2)])[0] > 0  # a kind without a prior starts at 0.5
+    assert DraftPolicy("prompt_lookup", price, [1, 2], adapt=False, prior=0.1).choose([(3, 2)]) == [0]
 
 
 def test_large_vocabularies_pack_keys_past_int64(tmp_path, monkeypatch):

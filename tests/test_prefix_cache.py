@@ -116,10 +116,10 @@ def test_server_turns_reuse_cached_prefixes_and_equal_cold_runs(flat, checkpoint
 def test_the_draft_models_cache_reuses_prefixes_too(flat, checkpoints, tmp_path_factory, monkeypatch):
     """Chat turns with draft-model speculation: from the second turn on the draft model is fed only
     what its cache lacks, and every answer equals the turn decoded alone, cold."""
-    from runtime.batch_policy import BatchDraftPolicy
-    from tests.test_serve_speculation import ALWAYS_DRAFT
+    from runtime.draft_policy import DraftPolicy
+    from tests.conftest import always_draft
 
-    monkeypatch.setattr(BatchDraftPolicy, "choose", ALWAYS_DRAFT)  # the tiny pair's timed policy may not draft
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)  # the tiny pair's timed policy may not draft
     art = artifact(flat, checkpoints, tmp_path_factory, "mx-native", dlm=True)
     spec = batched_speculation(art, "draft", 2)
     scheduler, served, fed = Scheduler(art), [], []

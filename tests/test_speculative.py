@@ -253,17 +253,16 @@ def test_the_dlm_is_fed_the_prompt_only_at_its_first_draft(arts):
     """While the policy decodes plainly the DLM must not run (it would evict the TLM's weights from
     the caches): start() feeds it nothing, the first draft catches up on everything committed."""
     from runtime.draft_model import DraftModelDrafter
-    from runtime.draft_policy import DraftPolicy
     from runtime.forest import Forest
 
     art = arts[3]
-    drafter = DraftModelDrafter(Forest(art.dlm), runtime.SamplingParams(), np.random.default_rng(0),
-                                DraftPolicy({1: 1.0}, 1.0, 0.1, fixed=1))
+    drafter = DraftModelDrafter(Forest(art.dlm), runtime.SamplingParams(), np.random.default_rng(0))
     calls = art.dlm.calls
     committed = [5, 6, 7, 8, 9]
     drafter.start(committed)
     assert art.dlm.calls == calls and drafter.used == 0
-    proposal = drafter.propose(committed, room=10)
+    assert drafter.offer(committed, room=10) == (0, 10) and art.dlm.calls == calls
+    proposal = drafter.propose(committed, 1)
     assert len(proposal.tokens) == 1 and drafter.used == len(committed) and art.dlm.calls > calls
 
 

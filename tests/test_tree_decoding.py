@@ -15,7 +15,9 @@ from common import graph_io
 from common.recipe import LookaheadSettings
 from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
-from runtime.lookahead import Lookahead, LookaheadPolicy, window_sees
+from runtime.draft_policy import DraftPolicy
+from runtime.engine import engine_of
+from runtime.lookahead import Lookahead, window_sees
 from runtime.model_runner import ModelRunner
 from tests.conftest import tiny_recipe
 from tests.test_speculative import V, emitted_counts, exact_marginals, min_p_value
@@ -162,14 +164,15 @@ def test_metrics_of_the_draft_free_methods(tlm_only, monkeypatch):
 
 def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generation(tlm_only):
     art = tlm_only
-    art.policies.clear()
+    engine = engine_of(art)
+    engine.policies.clear()
     for window, guesses in ((2, 1), (1, 2)):  # the same T = 7, different methods
         runtime.generate(art, [0, *[5, 6, 7] * 4], max_new_tokens=12, speculative="lookahead",
                          lookahead=dict(window=window, guesses=guesses))
-    assert {k for k in art.policies if k[0] == "lookahead"} == {("lookahead", 3, 2, 1), ("lookahead", 3, 1, 2)}
+    assert len([k for k in engine.policies if k[0] == "lookahead"]) == 2
     prompt = [0, *[5, 6, 7] * 4]
     runtime.generate(art, prompt, max_new_tokens=20, speculative="prompt_lookup")
-    (kept,) = [p for k, p in art.policies.items() if k[0] == "prompt_lookup"]
+    (kept,) = [p for k, p in engine.policies.items() if k[0] == "prompt_lookup"]
     assert kept.tested >= 4
     halved = sum(t // 2 for t, _ in kept.counts.values())  # each kind of draft's history, rounded down
     seen = []
@@ -179,23 +182,17 @@ def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generat
     assert seen[0] == halved
 
 
-class CountingPolicy(LookaheadPolicy):
-    def __init__(self) -> None:
-        super().__init__({1: 3.0}, 1.0, 0.0)
-        self.chosen = 0
-
-    def choose(self, limit: int) -> int:
-        self.chosen += 1
-        return 1
-
-
-def test_a_lookahead_round_with_nothing_to_score_is_a_plain_step_not_a_choice():
-    la = Lookahead(LookaheadSettings(ngram=3, window=3, guesses=3), CountingPolicy())
+def test_a_lookahead_round_with_nothing_to_score_offers_nothing_and_is_not_a_choice():
+    la = Lookahead(LookaheadSettings(ngram=3, window=3, guesses=3))
     la.start([1, 2, 3, 4])
-    empty = la.propose([1, 2, 3, 4, 9], room=2)  # no n-gram starts with 9; the window needs room 4
-    assert not len(empty.tokens) and not len(empty.aux_tokens) and la.policy.chosen == 0
-    full = la.propose([1, 2, 3, 4, 9], room=10)
-    assert len(full.aux_tokens) == 3 and la.policy.chosen == 1
+    assert la.offer([1, 2, 3, 4, 9], room=2) == (0, 0)  # no n-gram starts with 9; the window needs room 4
+    policy = DraftPolicy("lookahead", lambda role, rows: 1.0 + rows, [1], window=9)
+    policy.plain_wanted = 0
+    assert policy.choose([(0, 0)]) == [0] and policy.plain_in_a_row == 0  # no plain step counted toward a probe
+    assert policy.choose([(0, 1)]) == [0] and policy.plain_in_a_row == 1  # a step on offer that does not pay
+    assert la.propose([1, 2, 3, 4, 9], 0).empty
+    assert la.offer([1, 2, 3, 4, 9], room=10) == (0, 1)
+    assert len(la.propose([1, 2, 3, 4, 9], 1).aux_tokens) == 3
 
 
 # --- sampled: the emitted distribution is the TLM's, end to end --------------------------------

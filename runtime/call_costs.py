@@ -1,13 +1,20 @@
-"""What one call of each graph costs: the compiler's measurement until this process has timed it warm.
+"""What one call of each graph costs: the compiler's measurement until this process has timed it.
 
 The draft policy (runtime/draft_policy.py) prices every step from these, offline and in the server.
-A call is warm when its graph ran in the runner's previous step or earlier in this one: a graph that
-sat idle (a plain step right after drafting, a catch-up's prefill) runs slower than its steady cost,
-and a session's first run allocates. A graph's first warm time waits for a second, and the faster
-counts (one run can be a spike: a DLM graph's second run once took 7.6 ms against 1.9); later ones
-are averaged in, a faster one at once (rating a graph slow is the costlier error: plain decoding
-underrated lost to drafting that did not pay). Graphs not timed yet are their seeds scaled by the
-last timed graph's ratio to its seed, since the machine and its load are not the compiler's.
+Two estimates per graph, as a plain step and a drafting step are priced differently:
+- `warm`: calls whose graph ran in the runner's previous step or earlier in this one. A plain step is
+  priced so, as steady plain decoding: a graph that sat idle (the plain step right after drafting)
+  runs slower, and counted in, it would rate plain decoding dear and make drafting look better than
+  it is (what the idle one costs over a warm one prices probes instead: DraftPolicy.rewarm).
+- `typical`: every call but a graph's first. A drafting step is priced so, as drafting has cost: a
+  lookup drafts on a match between plain steps, so its scoring graphs mostly run after sitting idle,
+  and priced warm they looked cheaper than they are (prompt lookup drafted on 1-in-3 matches and
+  lost ~10% on the default recipe).
+A graph's first time in an estimate waits for a second, and the faster counts (one run can be a
+spike: a DLM graph's second run once took 7.6 ms against 1.9); later ones are averaged in, and a
+faster warm one counts at once (underrating plain decoding loses to drafting that does not pay).
+Graphs not timed yet are their seeds scaled by the last warm-timed graph's ratio to its seed, since
+the machine and its load are not the compiler's.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ class GraphCosts:
         """`seed(graph)`: the compiler's ms per call (1 ms where none was measured), read when asked."""
         self.seed = seed
         self.smoothing = smoothing
-        self.timed: dict[str, float] = {}
-        self.first: dict[str, float] = {}  # a graph's first warm time, until a second confirms it
+        self.warm: dict[str, float] = {}
+        self.typical: dict[str, float] = {}
+        self._first: dict[tuple[bool, str], float] = {}  # an estimate's first time, until a second confirms it
         self.scale = 1.0
+        self.seen: set[str] = set()
         self.last_step: set[str] = set()
         self.this_step: set[str] = set()
 
@@ -32,20 +41,31 @@ class GraphCosts:
     def record(self, graph: str, ms: float) -> None:
         warm = graph in self.this_step or graph in self.last_step
         self.this_step.add(graph)
-        if not warm:
-            return
-        if graph in self.timed:
-            old = self.timed[graph]
-            self.timed[graph] = ms if ms < old else old + self.smoothing * (ms - old)
-        elif graph not in self.first:
-            self.first[graph] = ms
-        else:
-            self.timed[graph] = min(ms, self.first.pop(graph))
-            self.scale = self.timed[graph] / self.seed(graph)
+        if graph in self.seen:
+            self._add(self.typical, graph, ms, at_once=False)
+        self.seen.add(graph)
+        if warm and self._add(self.warm, graph, ms, at_once=True):
+            self.scale = self.warm[graph] / self.seed(graph)
 
-    def ms(self, graph: str, adapt: bool = True) -> float:
-        """A call's cost: timed here (`adapt`), or the compiler's alone (a sampled generation's choices
-        must depend on nothing but its seeded random stream)."""
+    def _add(self, table: dict[str, float], graph: str, ms: float, at_once: bool) -> bool:
+        """Average a time into `table`; True when it is the graph's first estimate there."""
+        if graph in table:
+            old = table[graph]
+            table[graph] = ms if at_once and ms < old else old + self.smoothing * (ms - old)
+            return False
+        key = (table is self.warm, graph)
+        if key not in self._first:
+            self._first[key] = ms
+            return False
+        table[graph] = min(ms, self._first.pop(key))
+        return True
+
+    def ms(self, graph: str, adapt: bool = True, warm: bool = True) -> float:
+        """A call's cost: timed here (`adapt`; `warm` or typical, falling back to the other), or the
+        compiler's alone (a sampled generation's choices must depend on nothing but its random stream)."""
         if not adapt:
             return self.seed(graph)
-        return self.timed.get(graph, self.seed(graph) * self.scale)
+        first, other = (self.warm, self.typical) if warm else (self.typical, self.warm)
+        if graph in first:
+            return first[graph]
+        return other.get(graph, self.seed(graph) * self.scale)

@@ -5,10 +5,11 @@ One policy for every way of speculating, a generation's (a step of one request) 
 request that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens; a lookahead step emits
 1 + a (a: tokens accepted per step). A step's cost is priced by the one cost model (`price`, the
 engine's: each graph's call as this process timed it, runtime/call_costs.py, plus host time per
-call): its TLM call(s) over every row of the step, and for a draft model k DLM calls over the
-drafting requests. So alone a request drafts when that pays, and in a full batch, where drafts'
-rows are real compute, the step stays plain. Where requests offer drafts of different kinds, the
-likeliest are included first, each while it raises the step's rate.
+call; a plain step as steady plain decoding, a drafting one as drafting has cost): its TLM call(s)
+over every row of the step, and for a draft model k DLM calls over the drafting requests. So alone
+a request drafts when that pays, and in a full batch, where drafts' rows are real compute, the step
+stays plain. Where requests offer drafts of different kinds, the likeliest are included first, each
+while it raises the step's rate.
 
 A round that accepts n of k drafts has tested n + 1 of them (n < k; the rest were never judged) or
 k (n = k): for a draft model, whose tokens are accepted about independently, a is estimated as
@@ -58,7 +59,7 @@ class DraftPolicy:
     def __init__(
         self,
         method: str,
-        price: Callable[[str, int], float],
+        price: Callable[[str, int, bool], float],
         lengths: Sequence[int],
         window: int = 0,
         fixed: int | None = None,
@@ -72,10 +73,10 @@ class DraftPolicy:
         remeasure_every: int = 32,
         margin: float = 0.05,
     ) -> None:
-        """`method`: "draft", "prompt_lookup" or "lookahead"; `price(role, rows)`: ms of a call of that many
-        rows of the "tlm" or the "dlm"; `lengths`: the draft lengths a step may take (compiled scoring
-        graphs; lookahead: 1, a step); `window`: a lookahead step's rows beyond its root; `fixed`: always
-        this length (where offered)."""
+        """`method`: "draft", "prompt_lookup" or "lookahead"; `price(role, rows, warm)`: ms of that many rows
+        of the "tlm" or the "dlm" (`warm`: as steady plain decoding, else as drafting has cost); `lengths`:
+        the draft lengths a step may take (compiled scoring graphs; lookahead: 1, a step); `window`: a
+        lookahead step's rows beyond its root; `fixed`: always this length (where offered)."""
         if not lengths:
             raise ValueError("no score graphs: speculative decoding needs at least one draft length")
         if fixed is not None and fixed not in lengths:
@@ -117,8 +118,8 @@ class DraftPolicy:
     def cost(self, k: int, extra: int, drafting: int) -> float:
         """ms of a step whose TLM call has `extra` rows of drafts beyond `self.rows`, and for a draft model
         k DLM calls over `drafting` requests."""
-        dlm = k * self.price("dlm", drafting) if self.independent and k and drafting else 0.0
-        return self.price("tlm", self.rows + extra) + dlm
+        dlm = k * self.price("dlm", drafting, False) if self.independent and k and drafting else 0.0
+        return self.price("tlm", self.rows + extra, not k) + dlm
 
     def _rows(self, k: int) -> int:
         return self.window if self.method == "lookahead" and k else k
@@ -187,7 +188,7 @@ class DraftPolicy:
         tokens, cost, ks = self._step(k, offers, live, best_first=False)
         plain = self.cost(0, 0, 0)
         # the DLM's catch-up: a call over the plain steps' tokens (at least `wait` of them), per drafting request
-        catch_up = self.price("dlm", self.wait + 1) * sum(map(bool, ks)) if self.independent else 0.0
+        catch_up = self.price("dlm", self.wait + 1, False) * sum(map(bool, ks)) if self.independent else 0.0
         loss = cost - tokens / live * plain + catch_up + self.rewarm
         return loss / (self.probe_share * plain)
 

@@ -267,14 +267,15 @@ class Engine:
             return self.policies[key]
         return make_policy(self.art, method, settings, fixed, False, self.compiler_price)
 
-    def price(self, role: str, rows: int) -> float:
+    def price(self, role: str, rows: int, warm: bool = True) -> float:
         """The one cost model: ms of `rows` rows of the role's model in the cheapest calls, each graph's call
-        as its runner timed it (call_costs.GraphCosts), plus the host time per call."""
+        as its runner timed it (call_costs.GraphCosts: `warm` as steady plain decoding, else as drafting has
+        cost), plus the host time per call."""
         runner = self.art.runners[role]
         plan = runner.plan(rows)
-        return sum(runner.costs.ms(graph) for graph, _ in plan) + len(plan) * self.host_ms
+        return sum(runner.costs.ms(graph, warm=warm) for graph, _ in plan) + len(plan) * self.host_ms
 
-    def compiler_price(self, role: str, rows: int) -> float:
+    def compiler_price(self, role: str, rows: int, warm: bool = True) -> float:
         """The same by the compiler's measurements alone (a sampled request's: no timing may steer it)."""
         runner = self.art.runners[role]
         return sum(runner.costs.ms(graph, adapt=False) for graph, _ in runner.plan(rows))

@@ -24,7 +24,7 @@ class Prices:
     def __init__(self, tlm: dict[int, float] | None = None, dlm=lambda rows: 1.0) -> None:
         self.tlm, self.dlm = dict(TLM if tlm is None else tlm), dlm
 
-    def __call__(self, role: str, rows: int) -> float:
+    def __call__(self, role: str, rows: int, warm: bool = True) -> float:
         if role == "dlm":
             return self.dlm(rows)
         top = max(self.tlm)
@@ -136,12 +136,12 @@ def test_alone_it_drafts_and_in_a_full_batch_it_steps_plainly():
     def per_call(rows: int) -> float:  # 16 rows a call
         return sum(sublinear[min(16, rows - 16 * i)] for i in range(-(-rows // 16)))
 
-    p = DraftPolicy("draft", lambda role, rows: per_call(rows) if role == "tlm" else 0.1, [1, 2, 3, 4])
+    p = DraftPolicy("draft", lambda role, rows, warm: per_call(rows) if role == "tlm" else 0.1, [1, 2, 3, 4])
     p.plain_wanted = 0
     p.counts[0] = [40, 30]  # acceptance 0.73
     assert p.choose([(0, 4)])[0] >= 3
     assert p.choose([(0, 4)] * 16, rows=16, live=16) == [0] * 16
-    linear = DraftPolicy("draft", lambda role, rows: 1.0 * rows if role == "tlm" else 0.1, [1, 2, 3, 4])
+    linear = DraftPolicy("draft", lambda role, rows, warm: 1.0 * rows if role == "tlm" else 0.1, [1, 2, 3, 4])
     linear.plain_wanted = 0
     linear.counts[0] = [40, 30]
     assert linear.choose([(0, 4)]) == [0]  # compute-bound: a row costs a step
@@ -290,7 +290,7 @@ def test_sampled_and_fixed_requests_have_their_own_policy_on_compiler_costs(arti
     own = engine.policy_for("draft", None, None, greedy=False)
     assert not own.adapt and own.price == engine.compiler_price
     tlm = art.tlm
-    tlm.costs.timed = {g: 1000.0 for g in tlm.graphs}  # whatever this process timed
+    tlm.costs.warm = {g: 1000.0 for g in tlm.graphs}  # whatever this process timed
     engine.host_ms = 50.0
     decode = tlm.plan(1)[0][0]
     assert engine.compiler_price("tlm", 1) == tlm.entries[decode].cost_ms or 1.0
@@ -308,10 +308,11 @@ def test_the_engine_learns_its_host_time_per_call(artifact_dir):
 
 
 def test_a_graph_is_timed_warm_and_untimed_graphs_follow_the_timed_ones():
-    """A call is timed when its graph ran in the last step or earlier in this one: the first run and
-    one after the graph sat idle are not its steady cost. A first warm time waits for a second (the
-    faster counts), later ones are averaged in, a faster one at once; graphs not timed yet are scaled
-    by the last timed one's ratio to its seed; the compiler's own costs stay apart."""
+    """A call is timed warm when its graph ran in the last step or earlier in this one: the first run and
+    one after the graph sat idle are not its steady cost (but count in the typical one, drafting's). A
+    first time waits for a second (the faster counts), later ones are averaged in, a faster warm one at
+    once; graphs not timed yet are scaled by the last warm-timed one's ratio to its seed; the compiler's
+    own costs stay apart."""
     seeds = {"decode": 10.0, "score4": 12.0, "prefill": 0.0}
     c = GraphCosts(lambda g: seeds[g] or 1.0)
     c.new_step()
@@ -336,6 +337,14 @@ def test_a_graph_is_timed_warm_and_untimed_graphs_follow_the_timed_ones():
     assert c.ms("decode", adapt=False) == 10.0 and c.ms("prefill", adapt=False) == 1.0
     c.record("decode", 19.0)  # a second call in the same step is warm
     assert c.ms("decode") == pytest.approx(15.8)
+    # drafting is priced by every call but a graph's first, idle ones too (30, 20: 20; 40, 15, 90, 19 averaged)
+    assert c.ms("decode", warm=False) == pytest.approx(32.408)
+    assert c.ms("score4", warm=False) == pytest.approx(24.0)  # its one call was its first: the warm estimate's
+    for ms in (50.0, 60.0):
+        c.new_step()
+        c.new_step()
+        c.record("score4", ms)  # after sitting idle
+    assert c.ms("score4", warm=False) == 50.0 == c.ms("score4")  # never warm: the typical time stands in
 
 
 def test_cli_fixes_the_draft_length(artifact_dir):

@@ -267,7 +267,7 @@ def test_table_kinds_start_at_the_tables_held_out_agreement(tmp_path):
     assert priors[1] == 0.15 and 2 not in priors  # a 1-token text match, as measured; 2 tokens: the default
     costs = {1: 1.0, 2: 1.2, 3: 1.3}  # ms of a call of so many rows
 
-    def price(role, rows):
+    def price(role, rows, warm):
         return costs[rows]
 
     policy = DraftPolicy("prompt_lookup", price, [1, 2], adapt=False, priors=priors)

@@ -186,7 +186,7 @@ def test_a_lookahead_round_with_nothing_to_score_offers_nothing_and_is_not_a_cho
     la = Lookahead(LookaheadSettings(ngram=3, window=3, guesses=3))
     la.start([1, 2, 3, 4])
     assert la.offer([1, 2, 3, 4, 9], room=2) == (0, 0)  # no n-gram starts with 9; the window needs room 4
-    policy = DraftPolicy("lookahead", lambda role, rows: 1.0 + rows, [1], window=9)
+    policy = DraftPolicy("lookahead", lambda role, rows, warm: 1.0 + rows, [1], window=9)
     policy.plain_wanted = 0
     assert policy.choose([(0, 0)]) == [0] and policy.plain_in_a_row == 0  # no plain step counted toward a probe
     assert policy.choose([(0, 1)]) == [0] and policy.plain_in_a_row == 1  # a step on offer that does not pay

@@ -155,17 +155,13 @@ class DraftPolicy:
             self.drafting_in_a_row = 0
             return none  # measure a plain step (first, or again): it is what drafting has to beat
         most = max(m for _, m in offers)
-        plain = self.cost(0, 0, 0)
-        best, bar, probe, probe_rate = none, (1 + self.margin) * live / plain, 0, 0.0
+        best, bar = none, (1 + self.margin) * live / self.cost(0, 0, 0)
         for k in self.lengths:
             if k > most:
                 break
             tokens, cost, ks = self._step(k, offers, live, best_first=True)
             if tokens / cost > bar:
                 best, bar = ks, tokens / cost
-            every = self._step(k, offers, live, best_first=False)
-            if not probe or (every[0] / every[1] > probe_rate if self.independent else False):
-                probe, probe_rate = k, every[0] / every[1]
         if any(best):
             self.wait = self.probe_every
             self.drafting_in_a_row += 1
@@ -174,12 +170,26 @@ class DraftPolicy:
                 self.plain_wanted = 2  # measure a plain step again, warm (the first after drafting is cold)
             return best
         self.drafting_in_a_row = 0
-        if probe and self.plain_in_a_row >= self.wait and self.plain_in_a_row >= self._probe_gap(probe, offers, live):
-            self.wait *= 2  # back off: the last probe did not change the choice
-            self.plain_in_a_row = 0
-            return self._step(probe, offers, live, best_first=False)[2]  # is drafting paying off again?
+        if self.plain_in_a_row >= self.wait:
+            probe = self._probe(offers, live, most)
+            if self.plain_in_a_row >= self._probe_gap(probe, offers, live):
+                self.wait *= 2  # back off: the last probe did not change the choice
+                self.plain_in_a_row = 0
+                return self._step(probe, offers, live, best_first=False)[2]  # is drafting paying off again?
         self.plain_in_a_row += 1
         return none
+
+    def _probe(self, offers: Sequence[Offer], live: int, most: int) -> int:
+        """A probe's length: a lookup's shortest; a draft model's of the best expected rate, every offer drafting."""
+        fits = [k for k in self.lengths if k <= most]
+        if not self.independent:
+            return fits[0]
+
+        def rate(k: int) -> float:
+            tokens, cost, _ = self._step(k, offers, live, best_first=False)
+            return tokens / cost
+
+        return max(fits, key=rate)  # the shortest of equals
 
     def _probe_gap(self, k: int, offers: Sequence[Offer], live: int) -> float:
         """Plain steps per probe of k that keep probing within probe_share of the time. A probe also

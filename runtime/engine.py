@@ -200,6 +200,7 @@ class Engine:
                           prefix_cache_tokens=0, prefix_cache_evicted=0)
         self.policies: dict[tuple, DraftPolicy] = {}  # greedy requests', per method and settings
         self.host_ms = 0.0  # a step's wall time beyond its calls', per call
+        self._prices: dict[tuple, float] = {}  # this step's prices (the costs change between steps)
 
     def add(self, group: list[Request]) -> None:
         """Queue requests admitted together or not at all (checked with `check_fits` first)."""
@@ -271,9 +272,12 @@ class Engine:
         """The one cost model: ms of `rows` rows of the role's model in the cheapest calls, each graph's call
         as its runner timed it (call_costs.GraphCosts: `warm` as steady plain decoding, else as drafting has
         cost), plus the host time per call."""
-        runner = self.art.runners[role]
-        plan = runner.plan(rows)
-        return sum(runner.costs.ms(graph, warm=warm) for graph, _ in plan) + len(plan) * self.host_ms
+        key = (role, rows, warm)
+        if key not in self._prices:  # asked again and again while a step is chosen
+            runner = self.art.runners[role]
+            plan = runner.plan(rows)
+            self._prices[key] = sum(runner.costs.ms(graph, warm=warm) for graph, _ in plan) + len(plan) * self.host_ms
+        return self._prices[key]
 
     def compiler_price(self, role: str, rows: int, warm: bool = True) -> float:
         """The same by the compiler's measurements alone (a sampled request's: no timing may steer it)."""
@@ -302,6 +306,7 @@ class Engine:
         calls0, call_s0 = sum(r.calls for r in runners), sum(r.call_s for r in runners)
         for runner in runners:
             runner.costs.new_step()
+        self._prices.clear()
         for req in [r for r in self.live if r.cancelled]:
             self._finish(req, "cancelled")
         for req in self.live:  # followers whose leader went away before sharing its prompt: the first leads

@@ -82,6 +82,7 @@ class DraftPolicy:
         if fixed is not None and fixed not in lengths:
             raise ValueError(f"draft_length {fixed} is not compiled; available: {sorted(lengths)}")
         self.method, self.price, self.lengths = method, price, sorted(lengths)
+        self._allowed = set(self.lengths)
         self.independent = method == "draft"
         self.window, self.fixed, self.adapt, self.prior, self.prior_weight = window, fixed, adapt, prior, prior_weight
         self.priors = priors or {}  # kind -> prior acceptance, where known (else `prior`)
@@ -94,6 +95,7 @@ class DraftPolicy:
         self.rewarm = 0.0  # ms a plain step right after drafting costs over a warm one (its session sat idle)
         self.rows = 1  # the rows of the last plain step priced
         self.last_k: int | None = None  # the previous step's length (None: nothing yet)
+        self.probe: tuple[int, float] | None = None  # this run of plain steps' probe: its length, and when it is due
 
     @property
     def tested(self) -> float:
@@ -113,7 +115,8 @@ class DraftPolicy:
 
     def fit(self, k: int, most: int) -> int:
         """A request's length when the step's is k: the longest allowed up to k and what it offers."""
-        return max((j for j in self.lengths if j <= min(k, most)), default=0)
+        j = min(k, most)
+        return j if j in self._allowed else max((i for i in self.lengths if i <= j), default=0)
 
     def cost(self, k: int, extra: int, drafting: int) -> float:
         """ms of a step whose TLM call has `extra` rows of drafts beyond `self.rows`, and for a draft model
@@ -124,12 +127,13 @@ class DraftPolicy:
     def _rows(self, k: int) -> int:
         return self.window if self.method == "lookahead" and k else k
 
-    def _step(self, k: int, offers: Sequence[Offer], live: int, best_first: bool) -> tuple[float, float, list[int]]:
+    def _step(self, k: int, offers: Sequence[Offer], live: int, best_first: bool,
+              plain: float | None = None) -> tuple[float, float, list[int]]:
         """Tokens, cost and each offer's length of a step of length k: every offer drafting, or
-        (`best_first`) the likeliest kinds first, each while it raises the rate."""
+        (`best_first`) the likeliest kinds first, each while it raises the rate. `plain`: a plain step's cost."""
         ks, tokens, extra, drafting = [0] * len(offers), float(live), 0, 0
-        cost = self.cost(0, 0, 0)
-        order = sorted(range(len(offers)), key=lambda i: -self.acceptance(offers[i][0]))
+        cost = self.cost(0, 0, 0) if plain is None else plain
+        order = sorted(range(len(offers)), key=lambda i: -self.acceptance(offers[i][0])) if len(offers) > 1 else [0]
         for i in order:
             kind, most = offers[i]
             j = self.fit(k, most)
@@ -155,27 +159,30 @@ class DraftPolicy:
             self.drafting_in_a_row = 0
             return none  # measure a plain step (first, or again): it is what drafting has to beat
         most = max(m for _, m in offers)
-        best, bar = none, (1 + self.margin) * live / self.cost(0, 0, 0)
+        plain = self.cost(0, 0, 0)
+        best, bar = none, (1 + self.margin) * live / plain
         for k in self.lengths:
             if k > most:
                 break
-            tokens, cost, ks = self._step(k, offers, live, best_first=True)
+            tokens, cost, ks = self._step(k, offers, live, True, plain)
             if tokens / cost > bar:
                 best, bar = ks, tokens / cost
         if any(best):
             self.wait = self.probe_every
             self.drafting_in_a_row += 1
-            self.plain_in_a_row = 0
+            self.plain_in_a_row, self.probe = 0, None
             if self.drafting_in_a_row >= self.remeasure_every:
                 self.plain_wanted = 2  # measure a plain step again, warm (the first after drafting is cold)
             return best
         self.drafting_in_a_row = 0
         if self.plain_in_a_row >= self.wait:
-            probe = self._probe(offers, live, most)
-            if self.plain_in_a_row >= self._probe_gap(probe, offers, live):
+            if self.probe is None:  # worked out once a run: the run's steps are alike
+                k = self._probe(offers, live, most)
+                self.probe = k, self._probe_gap(k, offers, live)
+            if self.plain_in_a_row >= self.probe[1]:
                 self.wait *= 2  # back off: the last probe did not change the choice
-                self.plain_in_a_row = 0
-                return self._step(probe, offers, live, best_first=False)[2]  # is drafting paying off again?
+                self.plain_in_a_row, k, self.probe = 0, self.probe[0], None
+                return self._step(k, offers, live, best_first=False)[2]  # is drafting paying off again?
         self.plain_in_a_row += 1
         return none
 
@@ -205,7 +212,7 @@ class DraftPolicy:
     def new_generation(self) -> None:
         """A new request: what was learned counts half."""
         self.counts = {kind: [tested // 2, accepted // 2] for kind, (tested, accepted) in self.counts.items()}
-        self.plain_in_a_row = 0
+        self.plain_in_a_row, self.probe = 0, None
         self.wait = self.probe_every
 
     def observe(self, rounds: Sequence[tuple[int, int, int]], step_ms: float) -> None:

@@ -108,7 +108,9 @@ class DraftPolicy:
 
     def expected_tokens(self, k: int, kind: int = 0) -> float:
         """What a request emits in a step that drafts k of this kind (k = 0: a plain step's 1)."""
-        a = self.acceptance(kind)
+        return self._expected(k, self.acceptance(kind))
+
+    def _expected(self, k: int, a: float) -> float:
         if self.method == "lookahead":
             return 1.0 + a if k else 1.0
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -124,26 +126,25 @@ class DraftPolicy:
         dlm = k * self.price("dlm", drafting, False) if self.independent and k and drafting else 0.0
         return self.price("tlm", self.rows + extra, not k) + dlm
 
-    def _rows(self, k: int) -> int:
-        return self.window if self.method == "lookahead" and k else k
+    def _likeliest(self, offers: Sequence[Offer]) -> list[tuple[int, int, float]]:
+        """Each offer's index, most tokens and acceptance, the likeliest kind first."""
+        order = [(i, most, self.acceptance(kind)) for i, (kind, most) in enumerate(offers)]
+        return sorted(order, key=lambda o: -o[2]) if len(order) > 1 else order
 
-    def _step(self, k: int, offers: Sequence[Offer], live: int, best_first: bool,
-              plain: float | None = None) -> tuple[float, float, list[int]]:
-        """Tokens, cost and each offer's length of a step of length k: every offer drafting, or
-        (`best_first`) the likeliest kinds first, each while it raises the rate. `plain`: a plain step's cost."""
-        ks, tokens, extra, drafting = [0] * len(offers), float(live), 0, 0
-        cost = self.cost(0, 0, 0) if plain is None else plain
-        order = sorted(range(len(offers)), key=lambda i: -self.acceptance(offers[i][0])) if len(offers) > 1 else [0]
-        for i in order:
-            kind, most = offers[i]
+    def _step(self, k: int, order: list[tuple[int, int, float]], live: int, best_first: bool,
+              plain: float) -> tuple[float, float, list[int]]:
+        """Tokens, cost and each offer's length of a step of length k (`order`: `_likeliest`): every
+        offer drafting, or (`best_first`) the likeliest kinds first, each while it raises the rate."""
+        ks, tokens, extra, drafting, cost = [0] * len(order), float(live), 0, 0, plain
+        for i, most, a in order:
             j = self.fit(k, most)
             if not j:
                 continue
-            more = tokens + self.expected_tokens(j, kind) - 1.0
-            more_cost = self.cost(k, extra + self._rows(j), drafting + 1)
+            rows = self.window if self.method == "lookahead" else j
+            more, more_cost = tokens + self._expected(j, a) - 1.0, self.cost(k, extra + rows, drafting + 1)
             if best_first and more / more_cost <= tokens / cost:
                 break
-            ks[i], tokens, extra, drafting, cost = j, more, extra + self._rows(j), drafting + 1, more_cost
+            ks[i], tokens, extra, drafting, cost = j, more, extra + rows, drafting + 1, more_cost
         return tokens, cost, ks
 
     def choose(self, offers: Sequence[Offer], rows: int = 1, live: int = 1) -> list[int]:
@@ -158,13 +159,12 @@ class DraftPolicy:
         if self.plain_wanted > 0:
             self.drafting_in_a_row = 0
             return none  # measure a plain step (first, or again): it is what drafting has to beat
-        most = max(m for _, m in offers)
-        plain = self.cost(0, 0, 0)
+        most, order, plain = max(m for _, m in offers), self._likeliest(offers), self.cost(0, 0, 0)
         best, bar = none, (1 + self.margin) * live / plain
         for k in self.lengths:
             if k > most:
                 break
-            tokens, cost, ks = self._step(k, offers, live, True, plain)
+            tokens, cost, ks = self._step(k, order, live, True, plain)
             if tokens / cost > bar:
                 best, bar = ks, tokens / cost
         if any(best):
@@ -177,33 +177,32 @@ class DraftPolicy:
         self.drafting_in_a_row = 0
         if self.plain_in_a_row >= self.wait:
             if self.probe is None:  # worked out once a run: the run's steps are alike
-                k = self._probe(offers, live, most)
-                self.probe = k, self._probe_gap(k, offers, live)
+                k = self._probe(order, live, most, plain)
+                self.probe = k, self._probe_gap(k, order, live, plain)
             if self.plain_in_a_row >= self.probe[1]:
                 self.wait *= 2  # back off: the last probe did not change the choice
                 self.plain_in_a_row, k, self.probe = 0, self.probe[0], None
-                return self._step(k, offers, live, best_first=False)[2]  # is drafting paying off again?
+                return self._step(k, order, live, False, plain)[2]  # is drafting paying off again?
         self.plain_in_a_row += 1
         return none
 
-    def _probe(self, offers: Sequence[Offer], live: int, most: int) -> int:
+    def _probe(self, order: list[tuple[int, int, float]], live: int, most: int, plain: float) -> int:
         """A probe's length: a lookup's shortest; a draft model's of the best expected rate, every offer drafting."""
         fits = [k for k in self.lengths if k <= most]
         if not self.independent:
             return fits[0]
 
         def rate(k: int) -> float:
-            tokens, cost, _ = self._step(k, offers, live, best_first=False)
+            tokens, cost, _ = self._step(k, order, live, False, plain)
             return tokens / cost
 
         return max(fits, key=rate)  # the shortest of equals
 
-    def _probe_gap(self, k: int, offers: Sequence[Offer], live: int) -> float:
+    def _probe_gap(self, k: int, order: list[tuple[int, int, float]], live: int, plain: float) -> float:
         """Plain steps per probe of k that keep probing within probe_share of the time. A probe also
         pays for its draft model's catch-up on the plain steps before it, and for the plain step after
         it, whose session sat idle."""
-        tokens, cost, ks = self._step(k, offers, live, best_first=False)
-        plain = self.cost(0, 0, 0)
+        tokens, cost, ks = self._step(k, order, live, False, plain)
         # the DLM's catch-up: a call over the plain steps' tokens (at least `wait` of them), per drafting request
         catch_up = self.price("dlm", self.wait + 1, False) * sum(map(bool, ks)) if self.independent else 0.0
         loss = cost - tokens / live * plain + catch_up + self.rewarm

@@ -152,13 +152,13 @@ def test_a_slow_plain_step_after_drafting_spaces_the_probes_out():
     what a probe costs, so probes grow further apart (here 5 ms over a 10 ms step: twice the gap)."""
     p = policy()
     feed(p, 0.0)  # drafting hopeless: only probes draft
-    gap = p._probe_gap(1, [(0, 4)], 1)
+    gap = p._probe_gap(1, p._likeliest([(0, 4)]), 1, single(p, 0))
     for _ in range(20):
         p.observe([(0, 1, 0)], single(p, 1))
         p.observe([(0, 0, 0)], single(p, 0) + 5.0)  # right after drafting
         p.observe([(0, 0, 0)], single(p, 0))
     assert p.rewarm == pytest.approx(5.0, rel=0.05)
-    assert p._probe_gap(1, [(0, 4)], 1) > 1.5 * gap
+    assert p._probe_gap(1, p._likeliest([(0, 4)]), 1, single(p, 0)) > 1.5 * gap
 
 
 def test_acceptance_counts_the_drafts_the_target_judged():

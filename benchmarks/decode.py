@@ -138,9 +138,9 @@ def main() -> None:
         report["ratio_ours_over_hf"] = med["ours_ar"] / tps
         report["same_tokens_as_hf"] = hf_ids == ours_ids[: len(hf_ids)]
     s = spd.metrics.speculative
-    report["spd"] = {key: s.get(key) for key in ("method", "k", "acceptance_rate", "mean_accepted_length",
-                                                 "tokens_per_tlm_call", "cost_ratio_c", "tlm_step_s",
-                                                 "tlm_score_step_s", "predicted_speedup")}
+    report["spd"] = {key: s.get(key) for key in ("method", "draft_lengths_used", "acceptance_rate",
+                                                 "mean_accepted_length", "tokens_per_tlm_call", "cost_ratio_c",
+                                                 "tlm_step_s", "tlm_score_step_s", "predicted_speedup")}
     report["spd"]["measured_speedup"] = med["ours_spd"] / med["ours_ar"]
     if s.get("predicted_speedup"):
         report["spd"]["measured_over_predicted"] = report["spd"]["measured_speedup"] / s["predicted_speedup"]

@@ -100,8 +100,8 @@ class DraftModelDrafter:
             out[i] = Proposal.chain(np.array(tokens), q)
         return out
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
-                round_ms: float) -> None:
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
+                ) -> None:
         if self.fed is not None:  # the rejected drafts' KV (the last draft was never fed)
             self.forest.trim(self.branch, self.fed[accepted:])
             self.fed = None

@@ -221,7 +221,7 @@ class DraftPolicy:
         A plain step right after drafting (or a first) runs a decode session that sat idle: it is not
         a warm plain step, and what it costs over one is `rewarm`, which prices probes."""
         k = max((drafted for _, drafted, _ in rounds), default=0)
-        if k == 0 and self.last_k and self.plain_wanted == 0:
+        if k == 0 and self.last_k and self.adapt and self.plain_wanted == 0:  # (a sampled policy's: timing-free)
             self.rewarm += self.smoothing * (max(step_ms - self.cost(0, 0, 0), 0.0) - self.rewarm)
         if k == 0 and self.last_k == 0:
             self.plain_wanted = max(0, self.plain_wanted - 1)

@@ -370,9 +370,10 @@ class Engine:
         tokens = self._emit([r for r in self.live if id(r) in rows_of and not _prefilling(r)], rows_of,
                             proposals, accepted, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
-        for policy, members in chosen.values():  # each policy learns its requests' acceptance
-            policy.observe([(r.kind, _drafted(proposals.get(id(r), NONE), r.drafter), accepted.get(id(r), 0))
-                            for r in members], elapsed * 1e3)
+        for policy, members in chosen.values():  # each policy learns its requests' verified rounds
+            drafted = [(r, _drafted(proposals.get(id(r), NONE), r.drafter)) for r in members]
+            policy.observe([(r.kind, d, accepted.get(id(r), 0)) for r, d in drafted if not d or id(r) in accepted],
+                           elapsed * 1e3)
         n = sum(r.calls for r in runners) - calls0
         if n:  # the cost model's host time per call
             host = max(0.0, (elapsed - sum(r.call_s for r in runners) + call_s0) * 1e3 / n)
@@ -418,10 +419,9 @@ class Engine:
                 emitted = [int(rows[-1]) if greedy else next_token(rows[-1], req.decoding.params, req.rng)]
             if req.drafter is not None and req.tokens:  # a round (the prompt's first token is not one)
                 start, draft_s, call_s = times
-                round_s = time.perf_counter() - start
-                req.drafter.observe(proposal, len(path), emitted, best, round_s * 1e3)
+                req.drafter.observe(proposal, len(path), emitted, best)
                 if req.rounds is not None:
-                    req.rounds.record(proposal, len(path), draft_s, call_s, round_s)
+                    req.rounds.record(proposal, len(path), draft_s, call_s, time.perf_counter() - start)
             req.first_token = req.first_token or now
             first = not req.tokens
             for token, row in zip(emitted, choosers, strict=True):

@@ -96,8 +96,8 @@ class Lookahead:
         return Proposal(np.array(tokens, np.int64), np.array(parents, np.int64), None, aux,
                         window_sees(len(self.levels), self.w)[:window, :window])
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
-                round_ms: float) -> None:
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
+                ) -> None:
         stepped = len(proposal.aux_tokens) > 0
         if stepped:
             self.windows += 1

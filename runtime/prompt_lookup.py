@@ -88,8 +88,8 @@ class PromptLookup:
     def propose(self, committed: list[int], k: int) -> Proposal:
         return Proposal.chain(self.found[:k])
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
-                round_ms: float) -> None:
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
+                ) -> None:
         pass
 
     def end(self, text: list[int] | None) -> None:

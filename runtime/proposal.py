@@ -89,10 +89,10 @@ class Drafter(Protocol):
         """This round's tree of length k, as offered (k = 0, or an empty tree: a plain decode step; None:
         the drafter's model gave NaN/Inf logits, and the request ends with an error)."""
 
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray],
-                round_ms: float) -> None:
+    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
+                ) -> None:
         """The TLM accepted `accepted` tree tokens and emitted `emitted` (those plus one); `best(rows)`
-        gives call rows' greedy tokens (sampling.argmax_rows); the round took round_ms of wall time."""
+        gives call rows' greedy tokens (sampling.argmax_rows)."""
 
     def end(self, text: list[int] | None) -> None:
         """The request ended with this text (None: an error); a drafter with a cache of its own keeps or frees it."""

@@ -112,9 +112,9 @@ def check_draft_length(art: Artifact, method: str | None, settings: object, draf
     if method in (None, "lookahead"):
         raise ValueError("draft_length applies to speculative='draft' and 'prompt_lookup', not "
                          f"{method or 'autoregressive decoding'}")
-    if method == "draft" and draft_length not in graph_io.draft_lengths(art.manifest.k):
+    if method == "draft" and draft_length not in scoring_draft_lengths(art):
         raise ValueError(f"draft_length {draft_length} is not compiled in this artifact; available: "
-                         f"{list(graph_io.draft_lengths(art.manifest.k))} (None: chosen per round)")
+                         f"{scoring_draft_lengths(art)} (None: chosen per round)")
     if method == "prompt_lookup" and draft_length > settings.max_draft:
         raise ValueError(f"draft_length {draft_length} exceeds prompt_lookup max_draft {settings.max_draft}")
 

@@ -83,6 +83,17 @@ def test_the_first_steps_are_plain_when_costs_adapt():
     assert fresh.choose([(0, 100)])[0] > 0  # prior acceptance 0.5 and cheap scoring: drafting pays
 
 
+def test_a_sampled_requests_policy_learns_nothing_from_time():
+    """Its choices may depend on its seeded acceptances alone: no step's wall time enters (the server's
+    steps carry other requests' rows)."""
+    frozen, adapting = policy(adapt=False), policy()
+    for p in frozen, adapting:
+        feed(p, 0.0)
+        p.observe([(0, 1, 0)], 12.0)
+        p.observe([(0, 0, 0)], 999.0)  # a slow plain step right after drafting
+    assert frozen.rewarm == 0.0 and adapting.rewarm > 100.0  # the control: a greedy one prices its probes so
+
+
 def test_a_costly_scoring_call_or_draft_model_turns_drafting_off():
     pricey = policy(tlm={r: 10.0 * r for r in TLM})  # scoring k+1 rows costs k+1 decode steps
     feed(pricey, 0.75)
@@ -293,7 +304,7 @@ def test_sampled_and_fixed_requests_have_their_own_policy_on_compiler_costs(arti
     tlm.costs.warm = {g: 1000.0 for g in tlm.graphs}  # whatever this process timed
     engine.host_ms = 50.0
     decode = tlm.plan(1)[0][0]
-    assert engine.compiler_price("tlm", 1) == tlm.entries[decode].cost_ms or 1.0
+    assert engine.compiler_price("tlm", 1) == (tlm.entries[decode].cost_ms or 1.0)
     calls = len(tlm.plan(2 * engine.forest.max_rows))  # the rows of two of the largest calls
     assert engine.price("tlm", 1) == 1050.0 and calls >= 2 and engine.price("tlm", 2 * engine.forest.max_rows) == \
         calls * 1050.0  # each call as timed, plus the host time per call

@@ -21,10 +21,6 @@ PLAIN = [0, 77, 78]
 N = 10  # all four requests fit the cache (96 slots) at once
 
 
-def ALWAYS_DRAFT(self, live, drafting, with_dlm, k_max):  # noqa: N802 - a stand-in for the cost-based policy
-    return k_max
-
-
 @pytest.fixture(scope="module")
 def reference(artifact_dir):
     art = runtime.load_artifact(artifact_dir)
@@ -65,20 +61,25 @@ def test_greedy_speculating_requests_share_calls_and_equal_autoregressive(artifa
         assert stats["accepted"] > 0
 
 
+@pytest.mark.parametrize("length", [2, None])
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
-def test_a_sampled_speculating_request_equals_its_single_generation(artifact_dir, reference, method):
-    """Same seed, same draft length: the same random draws in the same order, so the same tokens as
-    generate(speculative=method, draft_length=2) alone, while other requests share its calls."""
-    art = runtime.load_artifact(artifact_dir)
-    art.eos_token_ids = frozenset()
-    spec = batched_speculation(art, method, 2)
+def test_a_sampled_speculating_request_equals_its_single_generation(artifact_dir, method, length):
+    """Same seed, same draft length (or both chosen per round, by the compiler's costs and the request's own
+    acceptance alone): the same random draws in the same order, so the same tokens as generate(speculative=
+    method) alone, while other requests share its calls. Costs under which drafting pays at the prior."""
+    art, alone_art = runtime.load_artifact(artifact_dir), runtime.load_artifact(artifact_dir)
+    for a in (art, alone_art):
+        a.eos_token_ids = frozenset()
+        set_costs(a, "tlm", lambda t: 1.0)
+        set_costs(a, "dlm", lambda t: 0.1)
+    spec = batched_speculation(art, method, length)
     kw = dict(do_sample=True, temperature=0.9, top_k=40)
     out, stats = _run(art, spec, [decoding(max_new_tokens=N, seed=5 + i, **kw) for i in range(len(PROMPTS))],
                       PROMPTS)
-    extra = dict(prompt_lookup=dict(max_draft=2)) if method == "prompt_lookup" else {}
+    extra = dict(prompt_lookup=dict(max_draft=2)) if method == "prompt_lookup" and length else {}
     for i, (prompt, tokens) in enumerate(zip(PROMPTS, out[:-1], strict=True)):
-        alone = runtime.generate(reference, prompt, max_new_tokens=N, seed=5 + i, speculative=method, draft_length=2,
-                                 **kw, **extra)
+        alone = runtime.generate(alone_art, prompt, max_new_tokens=N, seed=5 + i, speculative=method,
+                                 draft_length=length, **kw, **extra)
         assert tokens == alone.token_ids
         assert alone.metrics.speculative["drafted"] > 0
     assert stats["drafted"] > 0

@@ -84,7 +84,6 @@ class Request:
     spec: Speculation | None = None  # a batched request's speculation: the engine makes its drafter at admission
     drafter: Drafter | None = None  # proposes each round's tree
     policy: DraftPolicy | None = None  # chooses each round's length (Engine.policy_for)
-    kind: int = 0  # the kind of draft its drafter offered this round
     rounds: RoundStats | None = None  # a generation's speculation counters
     cancelled: bool = False
     logprobs: int | None = None  # report each new token's log probability and this many alternatives
@@ -371,8 +370,8 @@ class Engine:
                             proposals, accepted, (start, draft_s, call_s))
         elapsed = time.perf_counter() - start
         for policy, members in chosen.values():  # each policy learns its requests' verified rounds
-            drafted = [(r, _drafted(proposals.get(id(r), NONE), r.drafter)) for r in members]
-            policy.observe([(r.kind, d, accepted.get(id(r), 0)) for r, d in drafted if not d or id(r) in accepted],
+            drafted = [(r, kind, _drafted(proposals.get(id(r), NONE), r.drafter)) for r, kind, _ in members]
+            policy.observe([(kind, d, accepted.get(id(r), 0)) for r, kind, d in drafted if not d or id(r) in accepted],
                            elapsed * 1e3)
         n = sum(r.calls for r in runners) - calls0
         if n:  # the cost model's host time per call
@@ -443,19 +442,19 @@ class Engine:
         """This round's tree of each speculating request: what its drafter offers (at most its room in the
         context, and a server request's reserved slots), of the length its policy chooses (a shared one
         for all its requests at once, pricing the step's `rows` and the drafts chosen before). A drafter
-        class with `propose_batch` proposes for all its requests at once. Returns the proposals and the
-        requests of each policy that chose."""
+        class with `propose_batch` proposes for all its requests at once. Returns the proposals and each
+        policy's requests, with the kind and most tokens each offered."""
         forest, texts, chosen, ks = self.forest, {}, {}, {}
         for req in reqs:
             room = forest.runner.max_length - 1 - req.branch.length
             texts[id(req)] = text = req.prompt + req.tokens
-            req.kind, most = req.drafter.offer(text, room if req.spec is None else min(room, req.spec.k))
-            chosen.setdefault(id(req.policy), (req.policy, []))[1].append((req, most))
+            kind, most = req.drafter.offer(text, room if req.spec is None else min(room, req.spec.k))
+            chosen.setdefault(id(req.policy), (req.policy, []))[1].append((req, kind, most))
         live = rows  # the running requests: each emits a token
         for policy, members in chosen.values():
             shared = policy in self.policies.values()  # else a request's own: priced as if alone
-            lengths = policy.choose([(r.kind, most) for r, most in members], *((rows, live) if shared else (1, 1)))
-            for (req, _), k in zip(members, lengths, strict=True):
+            lengths = policy.choose([(kind, most) for _, kind, most in members], *((rows, live) if shared else (1, 1)))
+            for (req, _, _), k in zip(members, lengths, strict=True):
                 ks[id(req)] = k
                 rows += policy.window if policy.method == "lookahead" and k else k
         groups: dict[type, list[Request]] = {}
@@ -473,7 +472,7 @@ class Engine:
                     out[id(req)] = NONE  # a generation's drafts take slots until verified: near a full cache, plainly
                 else:
                     out[id(req)] = p
-        return out, {key: (policy, [r for r, _ in members]) for key, (policy, members) in chosen.items()}
+        return out, chosen
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         forest = self.forest

@@ -314,8 +314,9 @@ def test_the_engine_learns_its_host_time_per_call(artifact_dir):
     art = runtime.load_artifact(artifact_dir)
     engine = engine_of(art)
     runtime.generate(art, [0, 5, 6], max_new_tokens=20, speculative=False)
-    per_call = engine.stats["busy_s"] * 1e3 / engine.stats["calls"]
-    assert 0 < engine.host_ms < per_call
+    # an average of steps' host time per call: above 0 (Python runs around every call), and no step's
+    # share can exceed the whole run's busy time (a unit slip of seconds for ms would)
+    assert 0 < engine.host_ms < engine.stats["busy_s"] * 1e3
 
 
 def test_a_graph_is_timed_warm_and_untimed_graphs_follow_the_timed_ones():

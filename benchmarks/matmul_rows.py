@@ -52,9 +52,11 @@ from kernels.layout import (
 
 K, N = 1024, 8192
 ROWS = "1,2,3,5,9"
-KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native", "mxfp4 native")
+KINDS = ("float32", "float32 row", "mxfp6 fused", "mxfp6 native", "mxfp6 native8", "mxint8 native", "mxint8 native8",
+         "mxfp4 native")
 # The MX kinds of mxspd's kernel library: (weight bits, activation bits).
-NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16), "mxfp4 native": (4, 8)}
+NATIVE = {"mxfp6 native": (6, 16), "mxfp6 native8": (6, 8), "mxint8 native": (8, 16), "mxint8 native8": (8, 8),
+          "mxfp4 native": (4, 8)}
 LIBRARY_KINDS = {*NATIVE, "float32 row"}  # run by mxspd's kernel library (RowMatMul: the float32 graphs' op)
 
 

@@ -48,6 +48,7 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6": ("fp6_e2m3", "native", {}),  # the recipe's own MX settings (a plain one: head and table MXINT8)
     "mxfp6_fused": ("fp6_e2m3", "fused", PLAIN),
     "mxfp6_native": ("fp6_e2m3", "native", PLAIN),
+    "mxfp6_8": ("fp6_e2m3", "native8", {}),  # the recipe's own MX settings, int8 activations
     "mxfp6_native8": ("fp6_e2m3", "native8", PLAIN),
     "mxfp6_native_lm_head": ("fp6_e2m3", "native", HEAD6),
     "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", HEAD6),

@@ -35,9 +35,10 @@
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
-// 8 on AVX2, 32 on AVX-512; MXFP4: 8) the AVX-512 and AVX2 paths decode each weight once per call and pass over it
-// for every row (int8 activations with MXFP6 weights: vpmaddubsw on AVX2). All give the same bits
-// (tests/test_native_kernel.py).
+// 8 on AVX2, 32 on AVX-512; MXFP4: 8 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
+// and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
+// vpdpbusd on AVX-512 with every width, from 16 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). All give
+// the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -47,7 +48,8 @@
 // bits 0-3 of byte i and position 32 + i in bits 4-7. Few rows on AVX2: a 16-entry lookup gives the
 // magnitudes, each weight's sign moves onto its activation (as planes8), and a block's 8 chunks of pair
 // sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384) before one vpmaddwd; many rows: the tile decoded once
-// to signed bytes for the biased int8 pass loop. AVX-512 machines run these AVX2 loops.
+// to signed bytes for the biased int8 pass loop. On AVX-512 a 16-entry lookup per 128-bit lane gives a
+// chunk's signed weights for vpdpbusd, by the rows' biased activations, less 128 x the code sums.
 //
 // prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
 // node of its own (compiler/matmul_prologue.py):
@@ -821,12 +823,11 @@ struct ChunkTables {
 };
 const ChunkTables kChunk;
 
-// The weights of chunk q as int16: code pair 2q (codes 4q, 4q + 1) of the 16 columns in w0, 2q + 1 in w1.
+// The integer weights of a triples chunk (int8): byte o is code 4q + 2 (o / 32) + o % 2 of column (o % 32) / 2.
 template <int WBits>
-__attribute__((target(MXSPD_AVX512_VBMI))) inline void chunk_avx512(const uint8_t* chunk, __m512i* w0, __m512i* w1) {
-  __m512i v;
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_codes_avx512(const uint8_t* chunk) {
   if constexpr (WBits == 8) {
-    v = _mm512_loadu_si512(chunk);
+    return _mm512_loadu_si512(chunk);
   } else {
     // 48 bytes by two plain loads: a masked 48-byte load made the whole call 3x slower (AMD EPYC)
     const __m256i head = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
@@ -834,10 +835,48 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline void chunk_avx512(const uint8_
     const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(head), _mm256_castsi128_si256(tail), 1);
     const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(kChunk.offsets),
                                                        _mm512_permutexvar_epi8(_mm512_load_si512(kChunk.spread), raw));
-    v = _mm512_permutexvar_epi8(codes, _mm512_load_si512(kCodes.weight));  // the permute reads bits 0-5
+    return _mm512_permutexvar_epi8(codes, _mm512_load_si512(kCodes.weight));  // the permute reads bits 0-5
   }
+}
+
+// The weights of chunk q as int16: code pair 2q (codes 4q, 4q + 1) of the 16 columns in w0, 2q + 1 in w1.
+template <int WBits>
+__attribute__((target(MXSPD_AVX512_VBMI))) inline void chunk_avx512(const uint8_t* chunk, __m512i* w0, __m512i* w1) {
+  const __m512i v = chunk_codes_avx512<WBits>(chunk);
   *w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));
   *w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));
+}
+
+// Each 32-bit lane's source for a chunk's codes in column order, one column's 4 codes (4q .. 4q + 3) a lane:
+// from triples' word order (16-bit words j and 16 + j hold column j's pairs) and from planes8's lane
+// order (lanes 4-7 hold columns 8-11, lanes 8-11 columns 4-7).
+struct LaneTables {
+  alignas(64) uint16_t triples[32];
+  alignas(64) uint32_t planes8[16];
+  LaneTables() {
+    for (int j = 0; j < 16; ++j) {
+      triples[2 * j] = static_cast<uint16_t>(j);
+      triples[2 * j + 1] = static_cast<uint16_t>(16 + j);
+      planes8[j] = static_cast<uint32_t>(j / 4 == 1 ? j + 4 : j / 4 == 2 ? j - 4 : j);
+    }
+  }
+};
+const LaneTables kLanes;
+
+// The signed integer weights of chunk q, one column's 4 codes (4q .. 4q + 3) in each 32-bit lane, columns
+// in order: what vpdpbusd multiplies by a row's 4 activations. MXFP4 from planes8's nibbles by one 16-entry
+// lookup per 128-bit lane.
+template <int WBits>
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_bytes_avx512(const uint8_t* chunk) {
+  if constexpr (WBits == 4) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)), low4 = _mm256_set1_epi8(15);
+    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp4.weight)));
+    return _mm512_permutexvar_epi32(_mm512_load_si512(kLanes.planes8), _mm512_shuffle_epi8(table, nibbles));
+  } else {
+    return _mm512_permutexvar_epi16(_mm512_load_si512(kLanes.triples), chunk_codes_avx512<WBits>(chunk));
+  }
 }
 
 // The 16 columns' block scales; the table only where a result is not a normal float (rare).
@@ -884,50 +923,112 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
 }
 
+// int8 activations by vpdpbusd (MXFP4: one row to a few): each chunk's signed weights, one column's 4 codes a
+// lane, times each row's 4 biased activations (x + 128), less 128 x the block's code sums (one more
+// vpdpbusd per chunk, shared by the rows): the block's exact integer sums, the bits of every other path.
+template <int WBits, int Rows>
+__attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<WBits>& p, int64_t g, int64_t row0) {
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const uint8_t* blk = p.block(g, b);
+    prefetch_ahead<WBits, 4096>(blk);
+    const uint8_t* xb = p.x_biased(row0, b);  // row r's 32 biased activations at xb + 32 r
+    __m512i sum[Rows], code_sums = _mm512_setzero_si512();
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int q = 0; q < kChunks; ++q) {
+      const __m512i w = chunk_bytes_avx512<WBits>(blk + q * kChunkBytes<WBits>);
+      code_sums = _mm512_dpbusd_epi32(code_sums, k128, w);
+      for (int r = 0; r < Rows; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(x4), w);
+      }
+    }
+    const __m512 ws = scales_avx512<WBits>(p.exponents(g, b));
+    const float* xs = p.x_scale(row0, b);
+    for (int r = 0; r < Rows; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], code_sums)),
+                               _mm512_mul_ps(ws, _mm512_set1_ps(xs[r])), acc[r]);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g)) - 1);
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
+}
+
 // ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
 // A task takes two column groups and walks K in tiles of kTileBlocks blocks: it decodes a tile's blocks
-// once into int16 (16 KiB, which stays in L1 while every row passes over it), then passes over them
-// for every kGemmRows rows, each pass's float accumulators carried from tile to tile in y. (Decoding
-// all of K at once left 256-688 KiB to stream from L2 in every pass: the tiles made the path 1.26-1.36x
-// faster at 128 rows of Llama-2-7B's MLP shapes on an Intel Xeon, docs/benchmarks.md.) Per chunk: 4
-// weight loads and 2 broadcasts per row feed 4 dot products per row. Each row's integer block sums and
-// the float operations after them, block by block in order, are the same as on the other paths: the
-// same bits whatever the path (batch invariance).
+// once (16 KiB of int16 or 8 KiB of int8, which stay in L1 while every row passes over them), then passes
+// over them for every kGemmRows rows, each pass's float accumulators carried from tile to tile in y.
+// (Decoding all of K at once left 256-688 KiB to stream from L2 in every pass: the tiles made the path
+// 1.26-1.36x faster at 128 rows of Llama-2-7B's MLP shapes on an Intel Xeon, docs/benchmarks.md.) Two
+// integer arithmetics, the same sums:
+//   int16 activations: per chunk, 4 weight loads and 2 broadcasts per row feed 4 vpdpwssd per row
+//     (16 columns x 2 codes each);
+//   int8 activations (every weight width): the row's bytes biased to unsigned (x + 128), one vpdpbusd
+//     (16 columns x 4 codes) per group, chunk and row, each sum starting from -128 times its column's
+//     code sum in the block (found once per tile). vpdpbusd adds its four products into int32 without
+//     saturating, so MXINT8's codes (-128 .. 127) take it too, and MXFP4 (planes8's nibbles).
+// Each row's integer block sums and the float operations after them, block by block in order, are the
+// same as on the other paths: the same bits whatever the path (batch invariance).
 
 constexpr int kGemmRows = 6;     // rows per pass: 6 x 2 groups of integer sums and float accumulators
-constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB per block for a group pair
+constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) per block for a group pair
 // Calls with at least this many rows take this path: where it was faster on an Intel Xeon at Llama-2-7B's
 // shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
-// only a widening, 0.99-1.16x at 32 rows, slower at 16).
+// only a widening, 0.99-1.16x at 32 rows, slower at 16). int8 activations, on an AMD Zen 4 at 4096 x 11008
+// (docs/benchmarks.md): MXFP6 1.40x at 16 rows, 1.00x at 12; MXINT8 1.15-1.24x at 24, 0.95x at 16; MXFP4,
+// whose few-row kernel decodes with one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
 constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
-constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair: [w0 g0, w0 g1, w1 g0, w1 g1] x 32 int16
-
-// Blocks b0 .. b0 + count - 1 of groups g0 (and g0 + 1), decoded: the codes [count, 8 chunks, kPairShorts]
-// and the block scales [count, 2 groups, 16 columns] (found once here, not again in every pass).
 template <int WBits>
+constexpr int kGemmMinRows8 = WBits == 6 ? 16 : WBits == 8 ? 24 : 64;
+constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair as int16: [w0 g0, w0 g1, w1 g0, w1 g1] x 32
+constexpr int kPairBytes8 = 2 * 64;  // as int8: [g0, g1] x 16 columns x 4 codes
+
+// A tile of a group pair, decoded: the codes [count, 8 chunks, a chunk of the pair] and the block scales
+// [count, 2 groups, 16 columns] (found once here, not again in every pass); int8: each row's integer sums'
+// start, -128 x each column's code sum [count, 2 groups, 16 columns].
+template <bool Int8>
+struct Tile512 {
+  alignas(64) std::conditional_t<Int8, int8_t, int16_t> codes[kTileBlocks * kChunks * (Int8 ? kPairBytes8 : kPairShorts)];
+  alignas(64) float ws[kTileBlocks * 2 * kGroup];
+  alignas(64) int32_t start[Int8 ? kTileBlocks * 2 * kGroup : 1];
+};
+
+// Blocks b0 .. b0 + count - 1 of groups g0 (and g0 + 1), decoded into t.
+template <int WBits, bool Int8>
 __attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>& p, int64_t g0, int groups,
-                                                           int64_t b0, int64_t count, int16_t* out, float* ws) {
+                                                           int64_t b0, int64_t count, Tile512<Int8>& t) {
   for (int64_t b = 0; b < count; ++b)
     for (int h = 0; h < groups; ++h) {
-      _mm512_store_ps(ws + (2 * b + h) * kGroup, scales_avx512<WBits>(p.exponents(g0 + h, b0 + b)));
+      _mm512_store_ps(t.ws + (2 * b + h) * kGroup, scales_avx512<WBits>(p.exponents(g0 + h, b0 + b)));
       const uint8_t* blk = p.block(g0 + h, b0 + b);
       prefetch_ahead<WBits, 4096>(blk);
+      __m512i code_sums = _mm512_setzero_si512();  // 128 x each column's codes, by vpdpbusd with bytes of 128
       for (int q = 0; q < kChunks; ++q) {
-        __m512i w0, w1;
-        chunk_avx512<WBits>(blk + q * kChunkBytes<WBits>, &w0, &w1);
-        int16_t* at = out + (b * kChunks + q) * kPairShorts;
-        _mm512_store_si512(at + h * 32, w0);
-        _mm512_store_si512(at + (2 + h) * 32, w1);
+        if constexpr (Int8) {
+          const __m512i w = chunk_bytes_avx512<WBits>(blk + q * kChunkBytes<WBits>);
+          _mm512_store_si512(t.codes + (b * kChunks + q) * kPairBytes8 + h * 64, w);
+          code_sums = _mm512_dpbusd_epi32(code_sums, _mm512_set1_epi8(static_cast<char>(0x80)), w);
+        } else {
+          __m512i w0, w1;
+          chunk_avx512<WBits>(blk + q * kChunkBytes<WBits>, &w0, &w1);
+          int16_t* at = t.codes + (b * kChunks + q) * kPairShorts;
+          _mm512_store_si512(at + h * 32, w0);
+          _mm512_store_si512(at + (2 + h) * 32, w1);
+        }
       }
+      if constexpr (Int8) _mm512_store_si512(t.start + (2 * b + h) * kGroup, _mm512_sub_epi32(_mm512_setzero_si512(), code_sums));
     }
 }
 
-// Rows row0 .. row0 + Rows - 1 over blocks b0 .. b0 + count - 1 (decoded in dec and ws), their
-// accumulators read from y unless b0 is the first block, written back to y.
-template <int WBits, int Rows, int Groups>
-__attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& p, int64_t g0, const int16_t* dec,
-                                                         const float* ws, int64_t row0, int64_t b0, int64_t count) {
+// Rows row0 .. row0 + Rows - 1 over blocks b0 .. b0 + count - 1 (decoded in t), their accumulators read
+// from y unless b0 is the first block, written back to y.
+template <int WBits, bool Int8, int Rows, int Groups>
+__attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& p, int64_t g0, const Tile512<Int8>& t,
+                                                         int64_t row0, int64_t b0, int64_t count) {
   __m512 acc[Rows][Groups];
   __mmask16 valid[Groups];
   for (int h = 0; h < Groups; ++h) {
@@ -937,30 +1038,50 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& 
                           : _mm512_maskz_loadu_ps(valid[h], p.y + (row0 + r) * p.n + (g0 + h) * kGroup);
   }
   for (int64_t b = b0; b < b0 + count; ++b) {
-    const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
-    const int16_t* d = dec + (b - b0) * kChunks * kPairShorts;
     __m512i sum[Rows][Groups];
-    for (int r = 0; r < Rows; ++r)
-      for (int h = 0; h < Groups; ++h) sum[r][h] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int q = 0; q < kChunks; ++q) {
-      __m512i w0[Groups], w1[Groups];
+    if constexpr (Int8) {
+      const uint8_t* xb = p.x_biased(row0, b);  // row r's 32 biased activations at xb + 32 r
+      const int8_t* d = t.codes + (b - b0) * kChunks * kPairBytes8;
       for (int h = 0; h < Groups; ++h) {
-        w0[h] = _mm512_load_si512(d + q * kPairShorts + h * 32);
-        w1[h] = _mm512_load_si512(d + q * kPairShorts + (2 + h) * 32);
+        const __m512i start = _mm512_load_si512(t.start + (2 * (b - b0) + h) * kGroup);
+        for (int r = 0; r < Rows; ++r) sum[r][h] = start;
       }
-      for (int r = 0; r < Rows; ++r) {
-        int32_t x0, x1;
-        std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
-        std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
-        const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
-        for (int h = 0; h < Groups; ++h)
-          sum[r][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][h], w0[h], v0), w1[h], v1);
+#pragma GCC unroll 8
+      for (int q = 0; q < kChunks; ++q) {
+        __m512i w[Groups];
+        for (int h = 0; h < Groups; ++h) w[h] = _mm512_load_si512(d + q * kPairBytes8 + h * 64);
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+          const __m512i v = _mm512_set1_epi32(x4);
+          for (int h = 0; h < Groups; ++h) sum[r][h] = _mm512_dpbusd_epi32(sum[r][h], v, w[h]);
+        }
+      }
+    } else {
+      const int16_t* xb = p.x(row0, b);  // row r's 32 activations at xb + 32 r
+      const int16_t* d = t.codes + (b - b0) * kChunks * kPairShorts;
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < Groups; ++h) sum[r][h] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int q = 0; q < kChunks; ++q) {
+        __m512i w0[Groups], w1[Groups];
+        for (int h = 0; h < Groups; ++h) {
+          w0[h] = _mm512_load_si512(d + q * kPairShorts + h * 32);
+          w1[h] = _mm512_load_si512(d + q * kPairShorts + (2 + h) * 32);
+        }
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xb + r * kBlock + 4 * q, 4);
+          std::memcpy(&x1, xb + r * kBlock + 4 * q + 2, 4);
+          const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
+          for (int h = 0; h < Groups; ++h)
+            sum[r][h] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][h], w0[h], v0), w1[h], v1);
+        }
       }
     }
     const float* xs = p.x_scale(row0, b);
     for (int h = 0; h < Groups; ++h) {
-      const __m512 scale = _mm512_load_ps(ws + (2 * (b - b0) + h) * kGroup);
+      const __m512 scale = _mm512_load_ps(t.ws + (2 * (b - b0) + h) * kGroup);
       for (int r = 0; r < Rows; ++r)
         acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])),
                                     acc[r][h]);
@@ -970,43 +1091,43 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& 
     for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + (g0 + h) * kGroup, valid[h], acc[r][h]);
 }
 
-template <int WBits, int Groups, size_t... Rows>
+template <int WBits, bool Int8, int Groups, size_t... Rows>
 constexpr auto gemm_by_rows(std::index_sequence<Rows...>) {
-  using Pass = void (*)(const Problem<WBits>&, int64_t, const int16_t*, const float*, int64_t, int64_t, int64_t);
-  return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, static_cast<int>(Rows + 1), Groups>...};
+  using Pass = void (*)(const Problem<WBits>&, int64_t, const Tile512<Int8>&, int64_t, int64_t, int64_t);
+  return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, Int8, static_cast<int>(Rows + 1), Groups>...};
 }
 
 // One task of the many-row path: column groups 2i and 2i + 1 (the last alone where their count is odd),
 // tile by tile of K: the tile decoded once, then every row in passes of up to kGemmRows, the rows split
 // evenly.
-template <int WBits>
+template <int WBits, bool Int8>
 void gemm_tile(void* user, size_t index) {
   const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
-  static constexpr auto two = gemm_by_rows<WBits, 2>(std::make_index_sequence<kGemmRows>());
-  static constexpr auto one = gemm_by_rows<WBits, 1>(std::make_index_sequence<kGemmRows>());
+  static constexpr auto two = gemm_by_rows<WBits, Int8, 2>(std::make_index_sequence<kGemmRows>());
+  static constexpr auto one = gemm_by_rows<WBits, Int8, 1>(std::make_index_sequence<kGemmRows>());
   const int64_t g0 = 2 * static_cast<int64_t>(index);
   const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
-  alignas(64) int16_t dec[kTileBlocks * kChunks * kPairShorts];
-  alignas(64) float ws[kTileBlocks * 2 * kGroup];
+  thread_local Tile512<Int8> t;
   const int64_t passes = (p.m + kGemmRows - 1) / kGemmRows;
   for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks) {
     const int64_t count = std::min<int64_t>(kTileBlocks, p.kb - b0);
-    decode_pair(p, g0, groups, b0, count, dec, ws);
+    decode_pair(p, g0, groups, b0, count, t);
     for (int64_t i = 0, row = 0; i < passes; ++i) {
       const int64_t rows = (p.m - row) / (passes - i);
-      (groups == 2 ? two : one)[rows - 1](p, g0, dec, ws, row, b0, count);
+      (groups == 2 ? two : one)[rows - 1](p, g0, t, row, b0, count);
       row += rows;
     }
   }
 }
-
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-enum class Path { kAvx512, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
+enum class Path { kAvx512, kAvx512Int8, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
 template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
   if constexpr (P == Path::kAvx512)
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
+  else if constexpr (P == Path::kAvx512Int8)
+    return std::array<Kernel, sizeof...(Rows)>{group_avx512_int8<WBits, static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Int8)
     return std::array<Kernel, sizeof...(Rows)>{group_avx2_int8<static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Fp4)
@@ -1026,9 +1147,15 @@ void tile(void* user, size_t index) {
   int64_t per_pass = kRowGroup;
   void (*const* kernels)(const Problem<WBits>&, int64_t, int64_t) = nullptr;
 #ifdef MXSPD_X86
-  if constexpr (WBits == 4) {  // one layout, one AVX2 loop (AVX-512 machines run it too)
+  if constexpr (WBits == 4) {  // one layout (planes8's positions)
+    static constexpr auto k512_fp4 = by_rows<4, Path::kAvx512Int8>(std::make_index_sequence<kRowGroup512>());
     static constexpr auto k256_fp4 = by_rows<4, Path::kAvx2Fp4>(std::make_index_sequence<kRowGroup>());
-    if (kHasAvx2) kernels = k256_fp4.data();
+    if (kHasAvx512Vbmi) {
+      per_pass = kRowGroup512;
+      kernels = k512_fp4.data();
+    } else if (kHasAvx2) {
+      kernels = k256_fp4.data();
+    }
   } else {
     static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
     static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
@@ -1065,17 +1192,23 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
                    static_cast<const uint8_t*>(s), y, m, n, kb, layout};
   const auto groups = static_cast<size_t>((n + kGroup - 1) / kGroup);
 #ifdef MXSPD_X86
-  if constexpr (WBits != 4)  // MXFP4 is never in triples
-    if (kHasAvx512Vbmi && layout == kTriples && m >= kGemmMinRows<WBits>)
-      return g_api.parallel_for(ctx, gemm_tile<WBits>, (groups + 1) / 2, &p);
-  if (kHasAvx2 && !(kHasAvx512Vbmi && layout == kTriples) && m >= kGemmMinRows2<WBits>) {
+  // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
+  const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
+  if (wide && activation_bits == 8 && (WBits == 4 || m >= kGemmMinRows8<WBits>)) {
+    x.bias();
+    p.xu = x.biased.data();
+    if (m >= kGemmMinRows8<WBits>) return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
+  }
+  if constexpr (WBits != 4)
+    if (wide && m >= kGemmMinRows<WBits>) return g_api.parallel_for(ctx, gemm_tile<WBits, false>, (groups + 1) / 2, &p);
+  if (kHasAvx2 && !wide && m >= kGemmMinRows2<WBits>) {
     if (WBits != 8 && activation_bits == 8) {
       x.bias();
       p.xu = x.biased.data();
     }
     return g_api.parallel_for(ctx, gemm_avx2<WBits>(layout, activation_bits), groups, &p);
   }
-  if (kHasAvx2 && layout == kPlanes8) {
+  if (kHasAvx2 && !wide && layout == kPlanes8) {
     x.sign();
     p.xn = x.signs.data();
   }

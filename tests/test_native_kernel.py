@@ -223,7 +223,7 @@ def test_non_finite_activations_stay_in_their_row():
     np.testing.assert_array_equal(y[0], y[2])
 
 
-ROW_COUNTS = [*range(1, 26), 48, 61]
+ROW_COUNTS = [*range(1, 26), 48, 61, 70]
 
 
 @needs_library
@@ -231,8 +231,8 @@ def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
     weight formats and MXFP4, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
     beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 16 rows for MXFP6 and 32 for MXINT8
-    the AVX-512 path decodes each weight once per call, 8 blocks of K at a time: K = 300 is a whole tile
-    and a partial one), odd and even column counts, MXINT8's code
+    (int8 activations: 16, 24, and 64 for MXFP4) the AVX-512 path decodes each weight once per call, 8 blocks
+    of K at a time: K = 300 is a whole tile and a partial one), odd and even column counts, MXINT8's code
     -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
     AVX-512 VNNI and VBMI the first two runs take the same path.)"""
     rng = np.random.default_rng(6)
@@ -270,19 +270,21 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 
 @needs_library
-@pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (6, PLANES8), (4, PLANES8)],
-                         ids=["triples", "planes", "planes8", "mxfp4"])
+@pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (6, PLANES8), (4, PLANES8), (8, TRIPLES)],
+                         ids=["triples", "planes", "planes8", "mxfp4", "mxint8"])
 def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout):
     """int8 activations at +-127 against MXFP6 weights at +-60 (their largest magnitudes, signs mixed):
     the AVX2 many-row path's biased vpmaddubsw pairs reach 2 x 255 x 60 = 30,600 and must not saturate
     (2^15 - 1), nor PLANES8's one-row sums of two chunks' pairs (4 x 127 x 60 = 30,480 where a column's
     weights and a row's activations share their signs: column 0 and row 0): a 32-row call gives each row
     the bits it gets alone, and the exact products to float32 rounding (a saturated pair would be off by
-    thousands of steps). MXFP4 at +-12 (2 x 6): a block's 8 chunks of pairs, 8 x 2 x 12 x 127 = 24,384."""
+    thousands of steps). MXFP4 at +-12 (2 x 6): a block's 8 chunks of pairs, 8 x 2 x 12 x 127 = 24,384.
+    MXINT8 at 127 / -128 (the AVX-512 path's biased vpdpbusd: 4 x 255 x 128 per lane, in int32)."""
     k, n = 64, 32
     rng = np.random.default_rng(9)
-    top, negative = (31, 63) if wbits == 6 else (7, 15)  # +60 / -60 (8 x 7.5); MXFP4 +12 / -12 (2 x 6)
-    codes = np.where(rng.random((k, n)) < 0.5, top, negative).astype(np.uint8)
+    # +60 / -60 (8 x 7.5); MXFP4 +12 / -12 (2 x 6); MXINT8 127 / -128
+    top, negative = {6: (31, 63), 4: (7, 15), 8: (127, -128)}[wbits]
+    codes = np.where(rng.random((k, n)) < 0.5, top, negative).astype(np.int8 if wbits == 8 else np.uint8)
     exps = np.full((k // 32, n), 127, np.uint8)
     a = np.where(rng.random((32, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
     a[:, ::2] = 1.0

@@ -381,3 +381,21 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     with pytest.raises(SystemExit, match="--artifact .*missing"):
         main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32", "--tokens", "1100", "--answer-tokens", "4",
               "--artifact", str(tmp_path / "missing"), "--out", str(tmp_path / "again")])
+    # the plot of accuracy against bits: our build and a peer's point, the float32 references left out
+    from benchmarks import accuracy_plot
+
+    report["rows"] += [{"name": "llama.cpp Q6_K", "lowering": "llama.cpp", "format": "Q6_K", "bits_per_weight": 6.9,
+                        "kl_mean": 0.01},
+                       {"name": "llama.cpp F32", "lowering": "llama.cpp", "format": "F32", "bits_per_weight": 32.0,
+                        "kl_mean": 1e-6}]
+    title, found = accuracy_plot.points(report)
+    assert "tiny-stdlib-spd" in title and [(ours, bits) for _, bits, _, ours in found] == [
+        (True, mx["bits_per_weight"]), (False, 6.9)]
+    path = tmp_path / "with-peer.json"
+    path.write_text(json.dumps(report))
+    accuracy_plot.main([str(path), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        accuracy_plot.main([str(tmp_path / "other.json"), "--out", str(tmp_path / "bad.png")])
+    assert "not the report expected here (it lacks meta, rows)" in capsys.readouterr().err

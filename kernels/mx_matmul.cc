@@ -175,7 +175,8 @@ int weight_at(const uint8_t* block, int q, int o, Layout layout) {
 struct Activations {
   std::vector<int16_t> q;    // [KB, M, 32]: a block's rows side by side, at fixed offsets from one pointer
   std::vector<float> scale;  // [KB, M]
-  std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path)
+  std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path
+                                // and the AVX-512 int8 loops)
   std::vector<int8_t> signs;    // [KB, M, 64]: int8 activations, then their negations (sign(), planes8's rows)
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
@@ -266,7 +267,8 @@ template <int WBits>
 struct Problem {
   const int16_t* xq;  // [KB, M, 32]
   const float* xs;    // [KB, M]
-  const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 many-row path reads them
+  const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 many-row path and the AVX-512
+                      // int8 loops read them
   const int8_t* xn;   // [KB, M, 64]: the int8 activations and their negations, where planes8's few-row path reads them
   const uint8_t* w;   // [G, KB, kGroupBlockBytes<WBits>]
   const uint8_t* s;   // [G, KB, 16]
@@ -978,8 +980,9 @@ constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) pe
 // Calls with at least this many rows take this path: where it was faster on an Intel Xeon at Llama-2-7B's
 // shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
 // only a widening, 0.99-1.16x at 32 rows, slower at 16). int8 activations, on an AMD Zen 4 at 4096 x 11008
-// (docs/benchmarks.md): MXFP6 1.40x at 16 rows, 1.00x at 12; MXINT8 1.15-1.24x at 24, 0.95x at 16; MXFP4,
-// whose few-row kernel decodes with one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
+// (docs/benchmarks.md), the many-row loop's speed over the few-row loop's: MXFP6 1.25x at 12 rows, 0.97-1.05x
+// at 6-8 (one run); MXINT8 1.15-1.24x at 24, 0.95x at 16; MXFP4, whose few-row kernel decodes with one
+// lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
 constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
 template <int WBits>

@@ -276,9 +276,10 @@ def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout)
     """int8 activations at +-127 against MXFP6 weights at +-60 (their largest magnitudes, signs mixed):
     the AVX2 many-row path's biased vpmaddubsw pairs reach 2 x 255 x 60 = 30,600 and must not saturate
     (2^15 - 1), nor PLANES8's one-row sums of two chunks' pairs (4 x 127 x 60 = 30,480 where a column's
-    weights and a row's activations share their signs: column 0 and row 0): a 32-row call gives each row
+    weights and a row's activations share their signs: column 0 and row 0): a 70-row call gives each row
     the bits it gets alone, and the exact products to float32 rounding (a saturated pair would be off by
     thousands of steps). MXFP4 at +-12 (2 x 6): a block's 8 chunks of pairs, 8 x 2 x 12 x 127 = 24,384.
+    70 rows: every many-row loop (AVX-512 takes MXFP4's from 64).
     MXINT8 at 127 / -128 (the AVX-512 path's biased vpdpbusd: 4 x 255 x 128 per lane, in int32)."""
     k, n = 64, 32
     rng = np.random.default_rng(9)
@@ -286,12 +287,12 @@ def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout)
     top, negative = {6: (31, 63), 4: (7, 15), 8: (127, -128)}[wbits]
     codes = np.where(rng.random((k, n)) < 0.5, top, negative).astype(np.int8 if wbits == 8 else np.uint8)
     exps = np.full((k // 32, n), 127, np.uint8)
-    a = np.where(rng.random((32, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
+    a = np.where(rng.random((70, k)) < 0.5, 1.0, -1.0).astype(np.float32)  # every activation +-127 after rounding
     a[:, ::2] = 1.0
     codes[:, 0], a[0] = top, 1.0
     s = session(mx_matmul_model(codes, exps, 8, [None, k], layout, wbits))
     y = s.run(None, {"a": a})[0]
-    np.testing.assert_array_equal(y, np.concatenate([s.run(None, {"a": a[[r]]})[0] for r in range(32)]))
+    np.testing.assert_array_equal(y, np.concatenate([s.run(None, {"a": a[[r]]})[0] for r in range(70)]))
     np.testing.assert_allclose(y, a.astype(np.float64) @ weight_values(codes, exps, wbits), atol=1e-5)
 
 

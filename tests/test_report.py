@@ -185,6 +185,25 @@ def test_bandwidth_probe_refuses_an_empty_probe():
         read_bandwidth_gbs(0)
 
 
+def test_the_results_plot_refuses_a_report_it_cannot_draw(tmp_path, monkeypatch, capsys):
+    """benchmarks.plot draws vs_llamacpp and serve_peers reports; any other JSON is refused by name."""
+    import json
+
+    from benchmarks import plot
+
+    good = {"recipe": "r", "cpu": "c", "prompt_tokens": [8], "systems": {"ours:mxfp6": {"median": 10.0}}}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    (tmp_path / "other.json").write_text("{}")
+    monkeypatch.setattr("sys.argv", ["plot", str(tmp_path / "good.json"), "--out", str(tmp_path / "p.png")])
+    plot.main()
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setattr("sys.argv", ["plot", str(tmp_path / "other.json"), "--out", str(tmp_path / "q.png")])
+    with pytest.raises(SystemExit):
+        plot.main()
+    assert "other.json: not a report of vs_llamacpp or serve_peers" in capsys.readouterr().err
+    assert not (tmp_path / "q.png").exists()
+
+
 def test_the_python_docs_are_a_held_out_text_without_a_file():
     from pydoc_data.topics import topics
 

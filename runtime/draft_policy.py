@@ -20,7 +20,8 @@ lookup drafted more and lost 3-5% more on the default recipe's prompts). Accepta
 kind of draft where a drafter tells kinds apart (prompt lookup: the match length, since a match of
 one token is right far less often than one of three; a table guess by its confidence), starting at
 a prior worth a few drafts (per kind where known: how often such a draft was right on an n-gram
-table's held-out answers). A new request halves what the policy learned: recent text counts most.
+table's held-out answers). A new request halves what the policy learned (recent text counts most); beside
+other live requests that share it, a batch's worth of new requests does (`new_generation`).
 
 Only greedy requests share a policy that follows measured costs (their output does not depend on
 k); a sampled one prices with the compiler's costs alone, as if alone, so that its choices depend on
@@ -208,11 +209,16 @@ class DraftPolicy:
         loss = cost - tokens / live * plain + catch_up + self.rewarm
         return loss / (self.probe_share * plain)
 
-    def new_generation(self) -> None:
-        """A new request: what was learned counts half."""
-        self.counts = {kind: [tested // 2, accepted // 2] for kind, (tested, accepted) in self.counts.items()}
-        self.plain_in_a_row, self.probe = 0, None
-        self.wait = self.probe_every
+    def new_generation(self, others: int = 0) -> None:
+        """A new request, beside `others` live ones that share this policy. Alone, what was learned counts
+        half and probing starts over (its text may be new). Among others the batch's steps go on as they
+        were and the evidence fades by 1 / (2 (others + 1)): about half (0.5-0.61) each time the batch's
+        requests have all been replaced, not half at every admission of a busy server."""
+        keep = 1.0 - 1.0 / (2 * (others + 1))
+        self.counts = {kind: [tested * keep, accepted * keep] for kind, (tested, accepted) in self.counts.items()}
+        if not others:
+            self.plain_in_a_row, self.probe = 0, None
+            self.wait = self.probe_every
 
     def observe(self, rounds: Sequence[tuple[int, int, int]], step_ms: float) -> None:
         """A finished step: (kind, drafted, accepted) of each request it offered (drafted 0: a plain

@@ -258,13 +258,15 @@ class Engine:
 
     def policy_for(self, method: str, settings: object, fixed: int | None, greedy: bool) -> DraftPolicy:
         """A request's draft policy: greedy ones choosing per step share the engine's (told of each new
-        request); a sampled or fixed-length one has its own, priced by the compiler's costs alone."""
+        request, and of how many live ones share it); a sampled or fixed-length one has its own, priced by
+        the compiler's costs alone."""
         if greedy and fixed is None:
             key = (method, repr(settings))
             if key not in self.policies:
                 self.policies[key] = make_policy(self.art, method, settings, None, True, self.price)
-            self.policies[key].new_generation()
-            return self.policies[key]
+            policy = self.policies[key]
+            policy.new_generation(sum(r.policy is policy for r in self.live))
+            return policy
         return make_policy(self.art, method, settings, fixed, False, self.compiler_price)
 
     def price(self, role: str, rows: int, warm: bool = True) -> float:

@@ -224,6 +224,25 @@ def test_plain_rounds_are_followed_by_probes_that_back_off():
     assert p.wait == 3  # a new text gets probed as soon as the first one was
 
 
+def test_a_busy_batch_forgets_by_turnover_not_by_admission():
+    """Alone, a new request halves the evidence and restarts probing; beside 63 live sharers it fades it by
+    1/128 and leaves the batch's probing as it was, so 64 admissions (one batch's worth) leave about 0.61 of
+    it, where halving at each would have left nothing (2^-64)."""
+    p = policy(probe_every=3, probe_share=1.0)
+    feed(p, 0.75)
+    tested = p.tested
+    p.wait = 12
+    p.new_generation(63)
+    assert p.tested == pytest.approx(tested * (1 - 1 / 128)) and p.wait == 12
+    for _ in range(63):
+        p.new_generation(63)
+    assert p.tested == pytest.approx(tested * (1 - 1 / 128) ** 64) and 0.6 < p.tested / tested < 0.61
+    before = p.acceptance()
+    p.new_generation()
+    assert p.tested == pytest.approx(tested * (1 - 1 / 128) ** 64 / 2) and p.wait == 3
+    assert p.acceptance() == pytest.approx(before, abs=0.05)  # the ratio kept, the weight halved
+
+
 @pytest.mark.parametrize("share", [0.02, 0.1])
 def test_probes_cost_a_bounded_share_of_the_time_when_drafting_never_pays(share):
     """Short generations reset the back-off; without the share bound, probes every 1, 2, 4, ...

@@ -198,3 +198,21 @@ def test_a_server_lookahead_step_runs_whole_when_the_policy_takes_it(art, monkey
         engine.run()
     assert out == _alone(art, REPEATS, speculative=False)
     assert req.drafter.windows > 0  # window steps ran (before the fix: a length of 1 made every step plain)
+
+
+def test_the_shared_policy_is_told_how_many_live_requests_share_it(art, monkeypatch):
+    """Greedy prompt-lookup requests admitted together (short: the cache holds them all) share one policy; each
+    admission is told of those already live (0, 1, 2), so a busy server fades what it learned by turnover
+    (test_draft_policy.py)."""
+    told: list[int] = []
+    monkeypatch.setattr(DraftPolicy, "new_generation", lambda self, others=0: told.append(others))
+    greedy = decoding(max_new_tokens=N, do_sample=False)
+    engine = Engine(art, prefix_cache=False)
+    spec = batched_speculation(art, "prompt_lookup")  # no fixed length: the policy chooses
+    prompts = (REPEATS, [0, 9, 8, 7, 9, 8, 7], [0, 5, 6, 5, 6])
+    reqs = [make_requests(art, p, [greedy], [lambda e: None], spec)[0] for p in prompts]
+    for r in reqs:
+        engine.add([r])
+    with art.exclusive():
+        engine.run()
+    assert told == [0, 1, 2] and len({id(r.policy) for r in reqs}) == 1

@@ -96,6 +96,7 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp4_e2m1 native min_error +sensitive6 +head6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_HEAD6),
     "fp4_e2m1 native min_error +v_down6 +head6": ("fp4_e2m1", "native", "min_error", V_DOWN6_HEAD6),
     "fp4_e2m1 native min_error +sensitive6 +layers6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_LAYERS6),
+    "fp4_e2m1 native8 min_error +sensitive6 +layers6": ("fp4_e2m1", "native8", "min_error", SENSITIVE6_LAYERS6),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01
@@ -106,10 +107,10 @@ BLOCK = 256
 
 
 def with_int8(fragment_lists: list[str]) -> dict[str, tuple]:
-    """CONFIGS plus, per comma-separated fragment list, MXFP6 native with those weights in MXINT8."""
-    return CONFIGS | {f"fp6_e2m3 native min_error +int8:{f}": ("fp6_e2m3", "native", "min_error",
-                                                              (HEAD8 if selects_head(tuple(f.split(","))) else PLAIN)
-                                                              | {"mx_int8": tuple(f.split(","))})
+    """CONFIGS plus, per comma-separated fragment list, MXFP6 native8 (the default) with those weights in MXINT8."""
+    return CONFIGS | {f"fp6_e2m3 native8 min_error +int8:{f}": ("fp6_e2m3", "native8", "min_error",
+                                                               (HEAD8 if selects_head(tuple(f.split(","))) else PLAIN)
+                                                               | {"mx_int8": tuple(f.split(","))})
                       for f in fragment_lists}
 
 
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also score this compiled artifact of the recipe's TLM (any format, lowering or mix; "
                              "repeatable), in the same windows, against the same float32")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
-                        help="also fp6_e2m3 native min_error with the weights named by these comma-separated "
+                        help="also fp6_e2m3 native8 min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
     args = parser.parse_args(argv)
     configs = with_int8(args.mx_int8)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import runtime
-from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, KV16, KV32, PLAIN, SENSITIVE8, TARGET_KV, score
+from benchmarks.accuracy import ALL_INT8, HEAD6, HEAD8, KV16, KV32, PLAIN, SENSITIVE8, TARGET_KV, Divergence, score
 from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_call
 from benchmarks.decode import time_ours
 from benchmarks.variants import build_cached, small_pages_copy, variant, with_settings
@@ -45,10 +45,10 @@ from runtime.request import encode_prompt
 
 ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "fp32": (None, "exact", TARGET_KV),  # the reference: float32 weights and the target's float32 cache
-    "mxfp6": ("fp6_e2m3", "native", {}),  # the recipe's own MX settings (a plain one: head and table MXINT8)
+    "mxfp6": ("fp6_e2m3", "native8", {}),  # the recipe's own MX settings (a plain one: head and table MXINT8)
+    "mxfp6_16": ("fp6_e2m3", "native", {}),  # the same, int16 activations (the default until 2026-11-30)
     "mxfp6_fused": ("fp6_e2m3", "fused", PLAIN),
     "mxfp6_native": ("fp6_e2m3", "native", PLAIN),
-    "mxfp6_8": ("fp6_e2m3", "native8", {}),  # the recipe's own MX settings, int8 activations
     "mxfp6_native8": ("fp6_e2m3", "native8", PLAIN),
     "mxfp6_native_lm_head": ("fp6_e2m3", "native", HEAD6),
     "mxfp6_native8_lm_head": ("fp6_e2m3", "native8", HEAD6),
@@ -56,9 +56,8 @@ ENGINES = {  # name -> (mx_format, lowering, other TLM settings)
     "mxfp6_native8_head8": ("fp6_e2m3", "native8", HEAD8),
     "mxfp6_native_sensitive8": ("fp6_e2m3", "native", SENSITIVE8),
     "mxint8_native": ("fp6_e2m3", "native", ALL_INT8),
-    "mxfp6_kv16": ("fp6_e2m3", "native", KV16),  # the recipe's own, with a float16 KV cache (the default's own)
-    "mxfp6_kv32": ("fp6_e2m3", "native", KV32),  # the recipe's own, with a float32 KV cache
-    "mxfp6_native8_kv16": ("fp6_e2m3", "native8", KV16),  # the recipe's own, int8 activations, float16 cache
+    "mxfp6_kv16": ("fp6_e2m3", "native8", KV16),  # the recipe's own, with a float16 KV cache (the default's own)
+    "mxfp6_kv32": ("fp6_e2m3", "native8", KV32),  # the recipe's own, with a float32 KV cache
     "mxfp4": ("fp4_e2m1", "native", {}),  # the recipe's own MX settings in MXFP4 (int8 activations)
     "mxfp4_kv16": ("fp4_e2m1", "native", KV16),
 }
@@ -81,7 +80,7 @@ def same_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=DEFAULT_RECIPE)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -93,14 +92,14 @@ def main() -> None:
                     "larger cache costs one request's decode")
     ap.add_argument("--small-pages", action="store_true", help="also each engine as loaded before the initializer "
                     "index: each session maps its own weights, cached in small folios")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     names = args.engines.split(",")
     if unknown := sorted(set(names) - set(ENGINES)):
         ap.error(f"unknown engines {unknown}: choose from {list(ENGINES)}")
     if "fp32" not in names:
         ap.error("--engines must include fp32 (the reference every other engine is compared with)")
     recipe = get_recipe(args.recipe)
-    tmp = tempfile.TemporaryDirectory()  # small-pages copies, removed at exit
+    tmp = tempfile.TemporaryDirectory()  # small-pages copies and float32's log-probabilities, removed at exit
     arts = {}
     for name in names:
         r = engine_recipe(recipe, name, args.new_tokens)
@@ -129,7 +128,8 @@ def main() -> None:
     gbs = read_bandwidth_gbs()
     seq = np.asarray(prompt + ids["fp32"], dtype=np.int64)
     generated = slice(len(prompt) - 1, None)  # predictions of the generated positions only
-    ref_top1 = score(art0, seq)[1][generated]
+    divergence = Divergence(Path(tmp.name) / "fp32-logprobs.npy", len(seq) - 1)  # float32's, scored first
+    ref_top1 = score(art0, seq, divergence)[1][generated]
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "recipe": recipe.name, "new_tokens": n, "repeats": args.repeats, "read_bandwidth_GB_per_s": round(gbs, 1),
@@ -143,7 +143,8 @@ def main() -> None:
             "weights_read_per_token_MB": round(mb, 1),
             "floor_tokens_per_s": round(gbs * 1e3 / mb, 1), "fraction_of_floor": round(med * mb / (gbs * 1e3), 3),
             "greedy_prefix_equal_to_fp32": same_prefix(ids[name], ids["fp32"]), "generated": len(ids[name]),
-            "top1_agreement_with_fp32": round(float((score(art, seq)[1][generated] == ref_top1).mean()), 4),
+            "top1_agreement_with_fp32": round(float((score(art, seq, divergence)[1][generated] == ref_top1).mean()),
+                                               4),
             "kernel": art.manifest.models["tlm"].quant.get("kernel", "float32"),
             "batch_invariant": art.manifest.models["tlm"].batch_invariant,
             "speculation_equals_autoregressive": {

@@ -305,13 +305,15 @@ def mx_artifacts(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("mx")
     specs = {
         "fused": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3", mx_lowering="fused"),
-        "native": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"),  # the default lowering
+        "native": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3", mx_lowering="native"),
+        "native8": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3"),  # the default lowering
         "exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e2m3", mx_lowering="exact"),
         "e3m2": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp6_e3m2", mx_lowering="exact"),
-        "fp4": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1"),  # native: int8 activations
+        "fp4": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1"),  # native8: int8 activations
         "fp4_exact": ModelSpec(model=str(checkpoints["llama-gqa"]), mx_format="fp4_e2m1", mx_lowering="exact"),
         # three tiers: MXFP4, MXFP6 (v, down, the head) and MXINT8 (layer 0's attention, over mx_fp6's v_proj)
-        "mix": ModelSpec(model=str(checkpoints["llama-gqa"]), **MIX),
+        # int16 activations where the weights allow, so the tiers' activation widths differ (MXFP4's: always 8)
+        "mix": ModelSpec(model=str(checkpoints["llama-gqa"]), **MIX, mx_lowering="native"),
         "mix_exact": ModelSpec(model=str(checkpoints["llama-gqa"]), **MIX, mx_lowering="exact"),
     }
     return {
@@ -340,10 +342,11 @@ def test_exact_artifact_matches_transformers_with_mx_weights(mx_artifacts, check
 
 
 @pytest.mark.parametrize("kind,tolerance,exact", [("fused", 0.02, "exact"), ("native", 1e-4, "exact"),
-                                                  ("fp4", 0.02, "fp4_exact"), ("mix", 0.02, "mix_exact")])
+                                                  ("native8", 0.02, "exact"), ("fp4", 0.02, "fp4_exact"),
+                                                  ("mix", 0.02, "mix_exact")])
 def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance, exact):
-    """fused rounds activations to int8 per block; native (where its library is built) to int16, and to int8
-    with MXFP4 weights."""
+    """fused rounds activations to int8 per block; native (where its library is built) to int16, native8 (the
+    default) to int8, and either to int8 with MXFP4 weights."""
     ours, exact = prompt_logits(mx_artifacts[kind], TOKENS), prompt_logits(mx_artifacts[exact], TOKENS)
     if kind == "native" and load_artifact(mx_artifacts[kind]).manifest.models["tlm"].quant["lowering"] != "native":
         tolerance = 0.02  # no library here: the compiler fell back to fused
@@ -351,7 +354,7 @@ def test_kernel_artifacts_are_close_to_exact(mx_artifacts, kind, tolerance, exac
     assert ours.argmax() == exact.argmax()
 
 
-@pytest.mark.parametrize("kind", ["fused", "native", "exact", "e3m2", "fp4"])
+@pytest.mark.parametrize("kind", ["fused", "native", "native8", "exact", "e3m2", "fp4"])
 def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
     """The MX form is 0.41x FP16 (recorded: MXFP6 decoder weights at 0.39x, the MXINT8 LM head at 0.52x);
     the compiled CPU artifact stores what its kernels read: fused keeps every MX weight as MatMulNBits
@@ -360,10 +363,10 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
     root = mx_artifacts[kind]
     quant = load_artifact(root).manifest.models["tlm"].quant
     fp4 = kind == "fp4"
-    kind = "native" if fp4 else kind
-    if kind == "native" and library_path() is None:
+    kind = "native8" if fp4 else kind  # MXFP4 weights: the default lowering
+    if kind in ("native", "native8") and library_path() is None:
         kind = "fused"  # the compiler fell back (tested in test_native_kernel.py)
-    assert quant["lowering"] == (kind if kind in ("fused", "native") else "exact")
+    assert quant["lowering"] == (kind if kind in ("fused", "native", "native8") else "exact")
     assert quant["lowered_weights"] == quant["tensors"] == 15 and quant["lm_head"] and quant["int8_tensors"] == 1
     decoder, head = 73728, 260 * 64  # llama-gqa's decoder linears and LM head, in weights
     bits = 4.25 if fp4 else 6.25
@@ -379,7 +382,7 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
             assert any(e.key.startswith("prepacked") for e in b.external_data)
         native = [n for n in model.graph.node if n.op_type == "MXMatMul" and n.domain == "ai.mxspd"]
         covered = [w for n in native for w in n.input[1].split(SEPARATOR)]  # q/k/v and gate/up packed in one call
-        assert (len(native), len(covered)) == ((9, 15) if kind == "native" else (0, 0))
+        assert (len(native), len(covered)) == ((9, 15) if kind in ("native", "native8") else (0, 0))
         for n in native:
             w, e8m0 = inits[n.input[1]], inits[n.input[2]]
             attrs = {a.name: a.i for a in n.attribute}
@@ -387,15 +390,15 @@ def test_mx_artifact_kernels_and_manifest(mx_artifacts, kind):
             groups, kb = -(-n_out // 16), -(-k // 32)
             block = 512 if n.input[1].startswith("lm_head") else 256 if fp4 else 384  # MXINT8: 64 bytes per 4 x 16
             assert list(w.dims) == [groups, kb, block] and list(e8m0.dims) == [groups, kb, 16]
-            assert attrs["activation_bits"] == (8 if fp4 and block == 256 else 16)
-        if kind in ("fused", "native"):
+            assert attrs["activation_bits"] == (16 if kind == "native" else 8)  # MXFP4 weights: always 8
+        if kind in ("fused", "native", "native8"):
             assert not [t for t in inits if t.endswith("proj.weight.T")], "a full-precision decoder weight"
 
 
 def test_a_mixed_recipe_stores_each_tier_and_runs_each_in_its_kernel(mx_artifacts):
     """MIX: MXINT8 where mx_int8 names a weight (over mx_fp6's v_proj in layer 0), MXFP6 where mx_fp6 or
-    mx_lm_head = "fp6" does, MXFP4 elsewhere; each in its own MXMatMul (4, 6 or 8 bits; int8 activations with
-    MXFP4 only), counted in the manifest's bytes."""
+    mx_lm_head = "fp6" does, MXFP4 elsewhere; each in its own MXMatMul (4, 6 or 8 bits; under `native`, int8
+    activations with MXFP4 only), counted in the manifest's bytes."""
     quant = load_artifact(mx_artifacts["mix"]).manifest.models["tlm"].quant
     if quant["lowering"] != "native":
         pytest.skip("mxspd's kernel library is not built here")
@@ -450,7 +453,7 @@ def test_export_cli_mx_flags(checkpoints, tmp_path, capsys):
     assert main(["--recipe", str(recipe), "--mx-format", "fp6_e3m2", "--out", str(out), "--quiet"]) == 2
     assert "exact" in capsys.readouterr().err and not out.exists()
     assert main(["--recipe", str(recipe), "--mx-format", "fp6_e2m3", "--out", str(out), "--quiet"]) == 0
-    expected = "native" if library_path() is not None else "fused"  # the default, or its fallback
+    expected = "native8" if library_path() is not None else "fused"  # the default, or its fallback
     assert load_artifact(out).manifest.models["tlm"].quant["lowering"] == expected
 
 

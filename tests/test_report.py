@@ -374,10 +374,11 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     from recipes import get_recipe
 
     chat = get_recipe("smollm2-135m-chat")
-    assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8"]).tlm == chat.tlm
+    assert config_recipe(chat, CONFIGS["fp6_e2m3 native8 min_error +sensitive8"]).tlm == chat.tlm
+    assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8"]).tlm != chat.tlm  # int16
     assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8 +nearest"]).tlm != chat.tlm
     four = get_recipe("smollm2-135m-chat-4bit")  # the four-bit recipe is the config its accuracy was measured as
-    assert config_recipe(chat, CONFIGS["fp4_e2m1 native min_error +sensitive6 +layers6"]).tlm == four.tlm
+    assert config_recipe(chat, CONFIGS["fp4_e2m1 native8 min_error +sensitive6 +layers6"]).tlm == four.tlm
     code = main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32,fp6_e2m3 exact spec", "--tokens", "1100",
                  "--answer-tokens", "4", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "tiny-stdlib-spd" / "accuracy.json").read_text())
@@ -418,3 +419,21 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     with pytest.raises(SystemExit):
         accuracy_plot.main([str(tmp_path / "other.json"), "--out", str(tmp_path / "bad.png")])
     assert "not the report expected here (it lacks meta, rows)" in capsys.readouterr().err
+
+
+def test_mx_decode_reports_every_engine_against_float32(checkpoints, tmp_path, monkeypatch, capsys):
+    """benchmarks.mx_decode end to end on a tiny recipe: each engine's speed, floor and top-1 agreement with float32
+    (float32 agrees with itself exactly; the default MX build's greedy tokens are its own)."""
+    from benchmarks import mx_decode
+
+    monkeypatch.setenv("MXSPD_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path / "r.toml", checkpoints["llama-gqa"], None)
+    mx_decode.main(["--recipe", recipe, "--engines", "fp32,mxfp6", "--new-tokens", "6", "--repeats", "1",
+                    "--prompt", "def f(x):"])
+    engines = json.loads(capsys.readouterr().out)["engines"]
+    assert set(engines) == {"fp32", "mxfp6"}
+    assert engines["fp32"]["top1_agreement_with_fp32"] == 1.0
+    assert 0.0 <= engines["mxfp6"]["top1_agreement_with_fp32"] <= 1.0
+    assert engines["mxfp6"]["weights_read_per_token_MB"] < engines["fp32"]["weights_read_per_token_MB"]
+    assert all(engines[e]["speculation_equals_autoregressive"] == {"prompt_lookup": True, "lookahead": True}
+               for e in engines)

@@ -24,11 +24,12 @@ from export.loader import resolve_calibration_text, resolve_ngram_table
 from export.pipeline import build_artifact
 
 
-def variant(recipe: Recipe, mx_format: str | None, lowering: str = "fused", with_dlm: bool = True,
+def variant(recipe: Recipe, mx_format: str | None, lowering: str | None = "fused", with_dlm: bool = True,
             scale: str | None = None) -> Recipe:
-    """The recipe with its TLM in fp32 (mx_format None) or MX, and with or without its DLM; `scale`
-    overrides how MX block exponents are chosen (default: the recipe's own choice)."""
-    tlm = replace(with_mx_format(recipe.tlm, mx_format), mx_lowering=lowering, mx_scale=scale or recipe.tlm.mx_scale)
+    """The recipe with its TLM in fp32 (mx_format None) or MX, and with or without its DLM; `lowering` None
+    and `scale` None keep the recipe's own MX lowering and block exponent choice."""
+    tlm = replace(with_mx_format(recipe.tlm, mx_format), mx_lowering=lowering or recipe.tlm.mx_lowering,
+                  mx_scale=scale or recipe.tlm.mx_scale)
     dlm = recipe.dlm if with_dlm else None
     return replace(recipe, tlm=tlm, dlm=dlm, speculative=recipe.speculative and dlm is not None)
 

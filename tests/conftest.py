@@ -125,6 +125,7 @@ FORMATS = {
     "float16": ModelSpec(model="", dtype="float16"),
     "mx-fused": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="fused"),
     "mx-native": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="native"),
+    "mx-native8": ModelSpec(model="", mx_format="fp6_e2m3"),  # the default lowering: int8 activations
     "mx-exact": ModelSpec(model="", mx_format="fp6_e2m3", mx_lowering="exact"),
 }
 

@@ -124,7 +124,7 @@ def test_negative_control_plain_graphs_differ(flat, checkpoints, tmp_path_factor
 PROMPTS = [[0, 40, 41], [0] + [50, 51, 52, 53] * 6, list(range(4, 30)), [0, 7] * 12, [0, 99]]
 
 
-@pytest.mark.parametrize("fmt", ["float32", "mx-fused", "mx-native"])
+@pytest.mark.parametrize("fmt", ["float32", "mx-fused", "mx-native", "mx-native8"])
 def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, tmp_path_factory, fmt):
     """Greedy draft SpD, prompt lookup and lookahead on the near-tie model, several prompts (repeats make
     prompt lookup propose); sampled branches equal standalone runs with seed + i; several questions
@@ -145,7 +145,7 @@ def test_every_method_equals_autoregressive_token_for_token(flat, checkpoints, t
         assert answer.token_ids == runtime.generate(art, context + q, max_new_tokens=16, speculative=False).token_ids
 
 
-@pytest.mark.parametrize("fmt", ["mx-fused", "mx-native"])
+@pytest.mark.parametrize("fmt", ["mx-fused", "mx-native", "mx-native8"])
 def test_concurrent_server_requests_equal_autoregressive_on_mxfp6(flat, checkpoints, tmp_path_factory, fmt,
                                                                   monkeypatch):
     """The scheduler (the server's engine): speculating and plain greedy requests in shared calls."""

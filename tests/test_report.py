@@ -388,7 +388,7 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     assert not list((tmp_path / "tiny-stdlib-spd").glob("*.npy"))  # float32's log-probabilities are gone
     v = mx["ppl_interval"]
     assert v["low"] < mx["ppl_ratio"] < v["high"] and v["ratio"] == pytest.approx(mx["ppl_ratio"], rel=1e-9)
-    assert not mx["shipped"] and report["meta"]["gate"].startswith("fp6_e2m3 exact")  # tiny ships fused
+    assert not mx["shipped"] and report["meta"]["gate"].startswith("fp6_e2m3 exact")  # tiny ships native8
     assert code == (0 if mx["ppl_ratio"] <= 1.01 else 1)
     assert f"[{v['low']:.4f}, {v['high']:.4f}]" in capsys.readouterr().out
     # --artifact: any compiled build of the recipe's TLM, scored in the same windows against the same float32

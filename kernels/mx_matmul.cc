@@ -981,7 +981,8 @@ constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) pe
 // shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
 // only a widening, 0.99-1.16x at 32 rows, slower at 16). int8 activations, on an AMD Zen 4 at 4096 x 11008
 // (docs/benchmarks.md), the many-row loop's speed over the few-row loop's: MXFP6 1.12-1.25x at 12 rows,
-// 0.96-1.05x at 6-8; MXINT8 1.15-1.24x at 24, 0.95x at 16; MXFP4, whose few-row kernel decodes with one
+// 0.96-1.05x at 6-8 (but at SmolLM2's K = 576 0.84-0.87x at 12: 16 kept); MXINT8 1.15-1.24x at 24, 0.95x at
+// 16 (at K = 576 0.81-0.82x at 24, 0.99-1.05x from 32: a threshold by K would serve both); MXFP4, whose few-row kernel decodes with one
 // lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
 constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;

@@ -216,3 +216,48 @@ def test_the_shared_policy_is_told_how_many_live_requests_share_it(art, monkeypa
     with art.exclusive():
         engine.run()
     assert told == [0, 1, 2] and len({id(r.policy) for r in reqs}) == 1
+
+
+def test_only_verified_rounds_teach_the_draft_policy(art, monkeypatch):
+    """A drafting request that ends before its round is verified (its target row is NaN) tells the shared
+    policy nothing of that round: what the policy learned is what the engine verified, round for round."""
+    monkeypatch.setattr(DraftPolicy, "choose", always_draft)
+    spec = batched_speculation(art, "draft")  # no fixed length: the shared policy chooses, and learns
+    greedy = decoding(max_new_tokens=N, do_sample=False)
+    good_prompt, bad_prompt = [0, 9, 8, 7, 6], [0, 201, 202, 203]
+
+    def engine_feeding(fed: set[int], poison: int | None = None) -> Engine:
+        """An engine whose target calls add their tokens to `fed`; a row fed `poison` gives NaN logits."""
+        engine = Engine(art, prefix_cache=False)
+        real = engine.forest._run
+
+        def run(graph, tokens, cache_sees, sees, check, fetch, positions=None):
+            fed.update(np.asarray(tokens).tolist())
+            out = real(graph, tokens, cache_sees, sees, check, fetch, positions)
+            out[(np.asarray(tokens) == poison)[-len(out):]] = np.nan if fetch else -1
+            return out
+
+        monkeypatch.setattr(engine.forest, "_run", run)
+        return engine
+
+    good_fed: set[int] = set()  # the good request's tokens and drafts, alone (the same in a batch: batch invariance)
+    alone = engine_feeding(good_fed)
+    alone.add(make_requests(art, good_prompt, [greedy], [None], spec))
+    with art.exclusive():
+        alone.run()
+    poison = next(t for t in _alone(art, bad_prompt, speculative=False)[2:] if t not in good_fed)
+    engine = engine_feeding(set(), poison)
+    good, bad = (make_requests(art, p, [greedy], [None], spec)[0] for p in (good_prompt, bad_prompt))
+    learned: list[tuple[int, int, int]] = []
+    observe = DraftPolicy.observe
+    monkeypatch.setattr(DraftPolicy, "observe",
+                        lambda self, rounds, ms: (learned.extend(rounds), observe(self, rounds, ms))[1])
+    engine.add([good])
+    engine.add([bad])
+    with art.exclusive():
+        engine.run()
+    assert good.policy is bad.policy  # one shared policy learned every round below
+    assert [e.finish for e in good.events() if e.finish] == ["length"]
+    assert [e.finish for e in bad.events() if e.finish] == ["error"]
+    assert sum(d for _, d, _ in learned) == engine.stats["drafted"] > 0
+    assert sum(a for _, _, a in learned) == engine.stats["accepted"]

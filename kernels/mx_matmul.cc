@@ -37,7 +37,8 @@
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
 // 8 on AVX2, 32 on AVX-512; MXFP4: 8 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
 // and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
-// vpdpbusd on AVX-512 with every width, from 16 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). All give
+// vpdpbusd on AVX-512 with every width, from 16 rows for MXFP6 and 32 for MXINT8 (12 and 24 where
+// K >= 2048), 64 for MXFP4). All give
 // the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
@@ -979,15 +980,19 @@ constexpr int kGemmRows = 6;     // rows per pass: 6 x 2 groups of integer sums 
 constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) per block for a group pair
 // Calls with at least this many rows take this path: where it was faster on an Intel Xeon at Llama-2-7B's
 // shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
-// only a widening, 0.99-1.16x at 32 rows, slower at 16). int8 activations, on an AMD Zen 4 at 4096 x 11008
-// (docs/benchmarks.md), the many-row loop's speed over the few-row loop's: MXFP6 1.12-1.25x at 12 rows,
-// 0.96-1.05x at 6-8 (but at SmolLM2's K = 576 0.84-0.87x at 12: 16 kept); MXINT8 1.15-1.24x at 24, 0.95x at
-// 16 (at K = 576 0.81-0.82x at 24, 0.99-1.05x from 32: a threshold by K would serve both); MXFP4, whose few-row kernel decodes with one
-// lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
+// only a widening, 0.99-1.16x at 32 rows, slower at 16).
 template <int WBits>
 constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
+// int8 activations: where the many-row loop is faster than the few-row one on an AMD Zen 4, which depends on
+// K (docs/benchmarks.md, two runs each; at 4096 x 11008 / 2048 x 8192 / 576 x 1536): MXFP6 at 12 rows
+// 1.12-1.25x / 1.06x / 0.85x, so from 12 rows where K >= 2048, else 16; MXINT8 at 24 rows 1.15-1.24x / 1.04x
+// / 0.81x (from 32 at K = 576: 0.99-1.05x), so from 24 where K >= 2048, else 32; MXFP4, whose few-row kernel
+// decodes with one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
-constexpr int kGemmMinRows8 = WBits == 6 ? 16 : WBits == 8 ? 24 : 64;
+int64_t gemm_min_rows8(int64_t k) {
+  const bool deep = k >= 2048;
+  return WBits == 6 ? (deep ? 12 : 16) : WBits == 8 ? (deep ? 24 : 32) : 64;
+}
 constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair as int16: [w0 g0, w0 g1, w1 g0, w1 g1] x 32
 constexpr int kPairBytes8 = 2 * 64;  // as int8: [g0, g1] x 16 columns x 4 codes
 
@@ -1198,10 +1203,11 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
 #ifdef MXSPD_X86
   // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
   const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
-  if (wide && activation_bits == 8 && (WBits == 4 || m >= kGemmMinRows8<WBits>)) {
+  const bool many8 = m >= gemm_min_rows8<WBits>(k);
+  if (wide && activation_bits == 8 && (WBits == 4 || many8)) {
     x.bias();
     p.xu = x.biased.data();
-    if (m >= kGemmMinRows8<WBits>) return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
+    if (many8) return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
   }
   if constexpr (WBits != 4)
     if (wide && m >= kGemmMinRows<WBits>) return g_api.parallel_for(ctx, gemm_tile<WBits, false>, (groups + 1) / 2, &p);

@@ -37,8 +37,7 @@
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
 // 8 on AVX2, 32 on AVX-512; MXFP4: 8 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
 // and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
-// vpdpbusd on AVX-512 with every width, from 16 rows for MXFP6 and 32 for MXINT8 (12 and 24 where
-// K >= 2048), 64 for MXFP4). All give
+// vpdpbusd on AVX-512 with every width, from 12 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). All give
 // the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
@@ -183,11 +182,13 @@ struct Activations {
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
     q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
     scale.assign(m * kb, 0.0f);
+    int16_t* const qs = q.data();  // (not q[...] in the loop: each call between would reload it, a thread_local's
+    float* const scales = scale.data();  // through __tls_get_addr)
     for (int64_t r = 0; r < m; ++r)
       for (int64_t b = 0; b < kb; ++b) {
         const int64_t k0 = b * kBlock, n = std::min<int64_t>(k - k0, kBlock);
-        int16_t* out = &q[(b * m + r) * kBlock];
-        float* sc = &scale[b * m + r];
+        int16_t* out = qs + (b * m + r) * kBlock;
+        float* sc = scales + b * m + r;
 #ifdef MXSPD_X86
         if (kHasAvx2 && n == kBlock) {
           block_avx2(a + r * k + k0, out, sc, qmax);
@@ -198,20 +199,26 @@ struct Activations {
       }
   }
 
-  // biased = q + 128: int8 activations (|q| <= 127) as the unsigned operand of vpmaddubsw.
+  // biased = q + 128: int8 activations (|q| <= 127) as the unsigned operand of vpmaddubsw. (Through local
+  // pointers: a byte store may alias anything, so a loop over the members reloaded each vector's pointer,
+  // a thread_local's through __tls_get_addr, at every element: 18% of a 64-row call at 1536 x 576.)
   void bias() {
     biased.resize(q.size());
-    for (size_t i = 0; i < q.size(); ++i) biased[i] = static_cast<uint8_t>(q[i] + 128);
+    const int16_t* from = q.data();
+    uint8_t* to = biased.data();
+    for (size_t i = 0, n = q.size(); i < n; ++i) to[i] = static_cast<uint8_t>(from[i] + 128);
   }
 
   // signs: each block's 32 int8 activations (|q| <= 127), then the same negated: planes8's few-row path
   // moves each weight's sign onto its activation by choosing between the two.
   void sign() {
     signs.resize(2 * q.size());
-    for (size_t i = 0; i < q.size(); i += kBlock)
+    const int16_t* from = q.data();
+    int8_t* to = signs.data();
+    for (size_t i = 0, n = q.size(); i < n; i += kBlock)
       for (int j = 0; j < kBlock; ++j) {
-        signs[2 * i + j] = static_cast<int8_t>(q[i + j]);
-        signs[2 * i + kBlock + j] = static_cast<int8_t>(-q[i + j]);
+        to[2 * i + j] = static_cast<int8_t>(from[i + j]);
+        to[2 * i + kBlock + j] = static_cast<int8_t>(-from[i + j]);
       }
   }
 
@@ -983,16 +990,12 @@ constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) pe
 // only a widening, 0.99-1.16x at 32 rows, slower at 16).
 template <int WBits>
 constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
-// int8 activations: where the many-row loop is faster than the few-row one on an AMD Zen 4, which depends on
-// K (docs/benchmarks.md, two runs each; at 4096 x 11008 / 2048 x 8192 / 576 x 1536): MXFP6 at 12 rows
-// 1.12-1.25x / 1.06x / 0.85x, so from 12 rows where K >= 2048, else 16; MXINT8 at 24 rows 1.15-1.24x / 1.04x
-// / 0.81x (from 32 at K = 576: 0.99-1.05x), so from 24 where K >= 2048, else 32; MXFP4, whose few-row kernel
-// decodes with one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
+// int8 activations: where the many-row loop is faster than the few-row one on an AMD Zen 4, at four shapes
+// (576 x 1536, 1536 x 576, 2048 x 8192, 4096 x 11008; docs/benchmarks.md, two runs): MXFP6 1.01-1.19x at 12
+// rows, 0.76-1.01x at 8; MXINT8 1.10-1.25x at 24, 0.90-1.22x at 16; MXFP4, whose few-row kernel decodes with
+// one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
-int64_t gemm_min_rows8(int64_t k) {
-  const bool deep = k >= 2048;
-  return WBits == 6 ? (deep ? 12 : 16) : WBits == 8 ? (deep ? 24 : 32) : 64;
-}
+constexpr int kGemmMinRows8 = WBits == 6 ? 12 : WBits == 8 ? 24 : 64;
 constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair as int16: [w0 g0, w0 g1, w1 g0, w1 g1] x 32
 constexpr int kPairBytes8 = 2 * 64;  // as int8: [g0, g1] x 16 columns x 4 codes
 
@@ -1203,7 +1206,7 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
 #ifdef MXSPD_X86
   // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
   const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
-  const bool many8 = m >= gemm_min_rows8<WBits>(k);
+  const bool many8 = m >= kGemmMinRows8<WBits>;
   if (wide && activation_bits == 8 && (WBits == 4 || many8)) {
     x.bias();
     p.xu = x.biased.data();

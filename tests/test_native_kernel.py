@@ -231,7 +231,7 @@ def test_every_path_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths (chosen when the library loads) agree bit for bit: both
     weight formats and MXFP4, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
     beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 16 rows for MXFP6 and 32 for MXINT8
-    (int8 activations at this K: 16, 32, and 64 for MXFP4) the AVX-512 path decodes each weight once per call, 8 blocks
+    (int8 activations: 12, 24, and 64 for MXFP4) the AVX-512 path decodes each weight once per call, 8 blocks
     of K at a time: K = 300 is a whole tile and a partial one), odd and even column counts, MXINT8's code
     -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
     AVX-512 VNNI and VBMI the first two runs take the same path.)"""

@@ -1,14 +1,15 @@
 """ai.mxspd::Attention alone: nanoseconds per (query row, head, visible key), side by side for two builds.
 
     python -m benchmarks.attention_kernel [--baseline OTHER.so] [--repeats 5] [--threads 2]
-                                          [--shape smollm2|llama2-7b] [--chunk 128 --past 384]
+                                          [--shape smollm2|llama2-7b] [--chunk 128 --past 384] [--half]
 
 One Attention node at SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64; or Llama-2-7B's, 32
 heads of 128) over a 2,048-slot cache: a decode row (T = 1) and a 9-row call of a server's step (T = 9),
 each row seeing `keys` random slots plus itself; and with `--chunk` a prefill chunk (T = chunk rows, each
 seeing the first `past` slots and the chunk's rows up to itself). Each library (the installed one, and
 `--baseline`, for example an older build of kernels/*.cc) gets its own session; calls alternate between
-them. Prints the median ns per (row, head, visible key) and the ratio baseline / installed.
+them. Prints the median ns per (row, head, visible key) and the ratio baseline / installed. `--half`: the op
+over a float16 cache (AttentionHalfKV, the default recipe's).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ SLOTS = 2048
 NAMES = ["query", "past_key", "past_value", "new_key", "new_value", "mask"]
 
 
-def _session(library: str, threads: int, d: int) -> ort.InferenceSession:
-    node = helper.make_node(kernels.ATTENTION, NAMES, ["y"], domain=kernels.DOMAIN, scale=d**-0.5)
-    graph = helper.make_graph([node], "attention", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+def _session(library: str, threads: int, d: int, half: bool = False) -> ort.InferenceSession:
+    outputs = ["y", "k16", "v16"] if half else ["y"]
+    node = helper.make_node(kernels.ATTENTION_HALF_KV if half else kernels.ATTENTION, NAMES, outputs,
+                            domain=kernels.DOMAIN, scale=d**-0.5)
+    cache = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    graph = helper.make_graph([node], "attention", [helper.make_tensor_value_info(n, cache if n.startswith("past")
+                                                                                  else TensorProto.FLOAT, None)
                                                     for n in NAMES],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+                              + [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in outputs[1:]])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(kernels.DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     so = spin_within_calls(session_options(threads, library=Path(library)))  # as the runtime's sessions
@@ -74,13 +80,14 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--chunk", type=int, help="also a prefill chunk of this many rows")
     ap.add_argument("--past", type=int, default=384, help="cache slots the prefill chunk sees")
+    ap.add_argument("--half", action="store_true", help="a float16 cache (AttentionHalfKV)")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     libraries = {"installed": str(kernels.require_library())} | ({"baseline": args.baseline} if args.baseline else {})
-    sessions = {name: _session(path, args.threads, shape[2]) for name, path in libraries.items()}
+    sessions = {name: _session(path, args.threads, shape[2], args.half) for name, path in libraries.items()}
     rng = np.random.default_rng(0)
     report = {"machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
-              "threads": args.threads, "shape": args.shape, "cases": {}}
+              "threads": args.threads, "shape": args.shape, "half": args.half, "cases": {}}
     cases = [(f"T={rows} keys={keys}", _inputs(shape, rows, keys, rng), rows * (keys + 1))
              for rows in (1, 9) for keys in args.keys]
     if args.chunk:
@@ -88,6 +95,8 @@ def main() -> None:
         cases.append((f"prefill T={args.chunk} past={args.past}", _inputs(shape, args.chunk, args.past, rng, True),
                       seen))
     for label, feed, row_keys in cases:
+        if args.half:
+            feed = {n: a.astype(np.float16) if n.startswith("past") else a for n, a in feed.items()}
         outs = {name: s.run(None, feed)[0] for name, s in sessions.items()}  # warm-up, and the values
         calls = max(3, int(2e6 / (shape[0] * row_keys)))
         times: dict[str, list[float]] = {name: [] for name in sessions}

@@ -947,8 +947,9 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
     for (int64_t r = 0; r < b * rows; ++r) {
       uint8_t* any = seen.data() + r / rows * keys;
       const int32_t* list = p.lists + r * keys;
-      pairs += counts[r];
-      for (uint32_t n = 0; n < counts[r]; ++n) {
+      const uint32_t count = counts[r];  // (a byte store may alias anything: counts[r] would be reloaded, a
+      pairs += count;                    // thread_local's pointer through __tls_get_addr, at every key)
+      for (uint32_t n = 0; n < count; ++n) {
         distinct += !any[list[n]];
         any[list[n]] = 1;
       }

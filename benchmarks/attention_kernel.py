@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=384, help="cache slots the prefill chunk sees")
     ap.add_argument("--half", action="store_true", help="a float16 cache (AttentionHalfKV)")
     args = ap.parse_args()
+    if args.chunk and not 0 <= args.past <= SLOTS:
+        ap.error(f"--past must be 0 to {SLOTS} (the cache's slots)")
     shape = SHAPES[args.shape]
     libraries = {"installed": str(kernels.require_library())} | ({"baseline": args.baseline} if args.baseline else {})
     sessions = {name: _session(path, args.threads, shape[2], args.half) for name, path in libraries.items()}

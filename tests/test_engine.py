@@ -245,7 +245,9 @@ def test_only_verified_rounds_teach_the_draft_policy(art, monkeypatch):
     alone.add(make_requests(art, good_prompt, [greedy], [None], spec))
     with art.exclusive():
         alone.run()
-    poison = next(t for t in _alone(art, bad_prompt, speculative=False)[2:] if t not in good_fed)
+    fed_by_bad = _alone(art, bad_prompt, speculative=False)[2:-1]  # its output tokens that it feeds back
+    poison = next((t for t in fed_by_bad if t not in good_fed and t not in bad_prompt), None)
+    assert poison is not None, "no token the bad request alone feeds the target: choose other prompts"
     engine = engine_feeding(set(), poison)
     good, bad = (make_requests(art, p, [greedy], [None], spec)[0] for p in (good_prompt, bad_prompt))
     learned: list[tuple[int, int, int]] = []
@@ -258,6 +260,7 @@ def test_only_verified_rounds_teach_the_draft_policy(art, monkeypatch):
         engine.run()
     assert good.policy is bad.policy  # one shared policy learned every round below
     assert [e.finish for e in good.events() if e.finish] == ["length"]
-    assert [e.finish for e in bad.events() if e.finish] == ["error"]
+    (end,) = [e for e in bad.events() if e.finish]
+    assert end.finish == "error" and "draft model" not in end.error  # the target's row, mid-generation
     assert sum(d for _, d, _ in learned) == engine.stats["drafted"] > 0
     assert sum(a for _, _, a in learned) == engine.stats["accepted"]

@@ -69,11 +69,12 @@ def checkpoint_recipe(checkpoint: Path, prompt_tokens: int, new_tokens: int, pre
     where the prompt and new tokens need them), so that prompts of any length up to that share one build."""
     context = max(1024, -(-(prompt_tokens + new_tokens + 1) // 256) * 256)
     key = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:8]
-    chunk = "" if prefill_chunk == 128 else f"-c{prefill_chunk}"  # each chunk its own cached build
-    return Recipe(name=f"{checkpoint.name}-{key}{chunk}",
+    chunk = min(prefill_chunk, context)
+    suffix = "" if chunk == 128 else f"-c{chunk}"  # each chunk its own cached build
+    return Recipe(name=f"{checkpoint.name}-{key}{suffix}",
                   tlm=ModelSpec(model=str(checkpoint.resolve()), mx_format="fp6_e2m3"),
                   speculative=False, context_length=context, max_prompt_length=context - 64,
-                  prefill_chunk=min(prefill_chunk, context), max_new_tokens=64)
+                  prefill_chunk=chunk, max_new_tokens=64)
 
 
 def setup(args) -> tuple[Recipe, Path]:

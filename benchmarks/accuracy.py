@@ -168,6 +168,26 @@ def held_out_texts(text_file: Path | None) -> list[str]:
     return [text_file.read_text()]
 
 
+# A calibration text of the default pair's own domain (--calibration stdlib:train): the first 60,000 characters
+# (~8k tokens) of the standard-library modules it trained on, in order; none of them is held out.
+STDLIB_TRAIN = "stdlib:train"
+STDLIB_TRAIN_CHARS = 60_000
+
+
+def calibration_reference(reference: str, folder: Path) -> str:
+    """A calibration text as a recipe names it (a path or builtin:NAME); stdlib:train written into `folder`."""
+    if reference != STDLIB_TRAIN:
+        return reference
+    text = ""
+    for f in stdlib_files("train"):
+        text += f.read_text(errors="replace")
+        if len(text) >= STDLIB_TRAIN_CHARS:
+            break
+    path = folder / "stdlib-train.txt"
+    path.write_text(text[:STDLIB_TRAIN_CHARS])
+    return str(path)
+
+
 TOKENIZER_PROBE = "The quick brown fox, 1,234 times: def f(x): return x ** 2  # l'été"
 
 
@@ -392,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifact", action="append", default=[], type=Path, metavar="ART",
                         help="also score this compiled artifact of the recipe's TLM (any format, lowering or mix; "
                              "repeatable), in the same windows, against the same float32")
+    parser.add_argument("--calibration", metavar="TEXT", help="round the MX configs with error feedback over this "
+                        f"text (a path, builtin:NAME, or {STDLIB_TRAIN}: the default pair's training modules), "
+                        "whatever the recipe names")
     parser.add_argument("--mx-int8", action="append", default=[], metavar="FRAGMENTS",
                         help="also fp6_e2m3 native8 min_error with the weights named by these comma-separated "
                              "fragments in MXINT8 (repeatable; e.g. lm_head,down_proj): which tensors are sensitive")
@@ -406,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     out_dir = args.out / recipe.name
+    if args.calibration:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        text = calibration_reference(args.calibration, out_dir)
+        recipe = replace(recipe, tlm=replace(recipe.tlm, mx_calibration=text))
     rows, base, tokens, base_answers, reference, divergence, fp32_bytes = [], None, None, None, None, None, 0
     prompts = list(recipe.prompts)
     generated = instructions(exclude=prompts)
@@ -420,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 path = config_artifact(recipe, name, configs[name], out_dir)
                 art = runtime.load_artifact(path)
                 built = config_recipe(recipe, configs[name])
-                shipped = built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
+                shipped = not args.calibration and built.tlm == recipe.tlm and built.kv_cache == recipe.kv_cache
             else:
                 path = Path(name.split(" ", 1)[1])
                 art = given_artifact(path, reference, recipe.context_length)

@@ -48,8 +48,8 @@
 // bits 0-3 of byte i and position 32 + i in bits 4-7. Few rows on AVX2: a 16-entry lookup gives the
 // magnitudes, each weight's sign moves onto its activation (as planes8), and a block's 8 chunks of pair
 // sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384) before one vpmaddwd; many rows: the tile decoded once
-// to signed bytes for the biased int8 pass loop. On AVX-512 a 16-entry lookup per 128-bit lane gives a
-// chunk's signed weights for vpdpbusd, by the rows' biased activations, less 128 x the code sums.
+// to signed bytes for the biased int8 pass loop. On AVX-512 one vpermb gives a chunk's weights + 12
+// for vpdpbusd, by the rows' signed activations, less 12 x each row's block sum (group_avx512_fp4).
 //
 // prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
 // node of its own (compiler/matmul_prologue.py):
@@ -97,14 +97,19 @@ const CodeTable kCodes;
 
 // 2 * value of every E2M1 code (bit 3: sign, bits 1-2: exponent, bit 0: mantissa) and its magnitude,
 // twice over: one 16-entry byte shuffle per 128-bit lane.
+constexpr int kFp4Offset = 12;  // |2 x an E2M1 value| <= 12
 struct Fp4Table {
   alignas(32) int8_t weight[32];
   alignas(32) uint8_t magnitude[32];
+  alignas(64) uint8_t offset[64];  // weight + 12 (0 .. 24), four times over: vpermb's 64 entries, read by a
+                                   // code's low 4 bits alone
   Fp4Table() {
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < 64; ++i) {
       const int c = i % 16, e = (c >> 1) & 3, m = c & 1;
-      const int w = e == 0 ? m : (2 + m) << (e - 1);
-      weight[i] = static_cast<int8_t>(c & 8 ? -w : w);
+      const int w = e == 0 ? m : (2 + m) << (e - 1), signed_w = c & 8 ? -w : w;
+      offset[i] = static_cast<uint8_t>(signed_w + kFp4Offset);
+      if (i >= 32) continue;
+      weight[i] = static_cast<int8_t>(signed_w);
       magnitude[i] = static_cast<uint8_t>(w);
     }
   }
@@ -178,6 +183,8 @@ struct Activations {
   std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path
                                 // and the AVX-512 int8 loops)
   std::vector<int8_t> signs;    // [KB, M, 64]: int8 activations, then their negations (sign(), planes8's rows)
+  std::vector<int8_t> bytes;    // [KB, M, 32]: int8 activations (narrow(), MXFP4's few-row loop on AVX-512)
+  std::vector<int32_t> sums;    // [KB, M]: each block's sum of them
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
     q.assign(m * kb * kBlock, 0);  // keeps the capacity: no allocation once the largest call has run
@@ -220,6 +227,24 @@ struct Activations {
         to[2 * i + j] = static_cast<int8_t>(from[i + j]);
         to[2 * i + kBlock + j] = static_cast<int8_t>(-from[i + j]);
       }
+  }
+
+  // bytes and sums: the int8 activations (|q| <= 127) as vpdpbusd's signed operand, and each block's sum of
+  // them (local pointers, as in bias()).
+  void narrow() {
+    bytes.resize(q.size());
+    sums.resize(scale.size());
+    const int16_t* from = q.data();
+    int8_t* to = bytes.data();
+    int32_t* total = sums.data();
+    for (size_t i = 0, n = sums.size(); i < n; ++i) {
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        to[i * kBlock + j] = static_cast<int8_t>(from[i * kBlock + j]);
+        sum += from[i * kBlock + j];
+      }
+      total[i] = sum;
+    }
   }
 
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
@@ -283,11 +308,15 @@ struct Problem {
   float* y;           // [M, N]
   int64_t m, n, kb;
   Layout layout;      // of MXFP6 weights (MXFP4: planes8's positions)
+  const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where MXFP4's few-row loop on AVX-512 reads them
+  const int32_t* xt = nullptr;  // [KB, M]: each block's sum of them
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
   const uint8_t* x_biased(int64_t row, int64_t b) const { return xu + (b * m + row) * kBlock; }
   const int8_t* x_signs(int64_t row, int64_t b) const { return xn + (b * m + row) * 2 * kBlock; }
+  const int8_t* x_bytes(int64_t row, int64_t b) const { return xi + (b * m + row) * kBlock; }
+  const int32_t* x_sum(int64_t row, int64_t b) const { return xt + b * m + row; }
   const uint8_t* block(int64_t g, int64_t b) const { return w + (g * kb + b) * kGroupBlockBytes<WBits>; }
   const uint8_t* exponents(int64_t g, int64_t b) const { return s + (g * kb + b) * kGroup; }
   int columns(int64_t g) const { return static_cast<int>(std::min<int64_t>(kGroup, n - g * kGroup)); }
@@ -872,6 +901,7 @@ struct LaneTables {
   }
 };
 const LaneTables kLanes;
+constexpr int64_t kHighHalf = 0x0004000400040004;  // four 16-bit shift counts of 4
 
 // The signed integer weights of chunk q, one column's 4 codes (4q .. 4q + 3) in each 32-bit lane, columns
 // in order: what vpdpbusd multiplies by a row's 4 activations. MXFP4 from planes8's nibbles by one 16-entry
@@ -887,6 +917,19 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_bytes_avx512(con
   } else {
     return _mm512_permutexvar_epi16(_mm512_load_si512(kLanes.triples), chunk_codes_avx512<WBits>(chunk));
   }
+}
+
+// MXFP4 chunk q's 64 weights + 12 (unsigned) for the few-row loop in three instructions: the chunk's 32 bytes
+// in both halves, the upper half's 16-bit words shifted right by 4 (each byte's high nibble into its low 4
+// bits), then vpermb on the 16 values four times over (an index's bits 4-5, whatever they hold, then pick
+// the same value: no mask). The lanes are those of chunk_bytes_avx512 before its permute: lane j holds
+// column planes8[j] (columns 4-7 and 8-11 swapped), which the loop undoes once per block on the scales and
+// once per call on its sums. (Against the nibbles' two masks, a shift, an insert and the permute per chunk:
+// 7 instructions.)
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i fp4_lanes_avx512(const uint8_t* chunk) {
+  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  const __m512i nibbles = _mm512_srlv_epi16(both, _mm512_set_epi64(kHighHalf, kHighHalf, kHighHalf, kHighHalf, 0, 0, 0, 0));
+  return _mm512_permutexvar_epi8(nibbles, _mm512_load_si512(kFp4.offset));
 }
 
 // The 16 columns' block scales; the table only where a result is not a normal float (rare).
@@ -933,38 +976,41 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
 }
 
-// int8 activations by vpdpbusd (MXFP4: one row to a few): each chunk's signed weights, one column's 4 codes a
-// lane, times each row's 4 biased activations (x + 128), less 128 x the block's code sums (one more
-// vpdpbusd per chunk, shared by the rows): the block's exact integer sums, the bits of every other path.
-template <int WBits, int Rows>
-__attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<WBits>& p, int64_t g, int64_t row0) {
+// MXFP4, one row to a few, int8 activations by vpdpbusd: each chunk's weights + 12 (unsigned, fp4_lanes_avx512)
+// times each row's 4 signed activations, less 12 x the row's block sum (found once per call, shared by every
+// column): the block's exact integer sums (<= 8 x 4 x 24 x 127 before the correction), the bits of every other
+// path. (With the activations biased to unsigned and the weights signed, a chunk took one more vpdpbusd for its
+// code sums.)
+template <int Rows>
+__attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_fp4(const Problem<4>& p, int64_t g, int64_t row0) {
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i lanes = _mm512_load_si512(kLanes.planes8);  // lane j's column (an involution)
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
-    prefetch_ahead<WBits, 4096>(blk);
-    const uint8_t* xb = p.x_biased(row0, b);  // row r's 32 biased activations at xb + 32 r
-    __m512i sum[Rows], code_sums = _mm512_setzero_si512();
+    prefetch_ahead<4, 4096>(blk);
+    const int8_t* xb = p.x_bytes(row0, b);  // row r's 32 activations at xb + 32 r
+    __m512i sum[Rows];
     for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int q = 0; q < kChunks; ++q) {
-      const __m512i w = chunk_bytes_avx512<WBits>(blk + q * kChunkBytes<WBits>);
-      code_sums = _mm512_dpbusd_epi32(code_sums, k128, w);
+      const __m512i w = fp4_lanes_avx512(blk + q * kChunkBytes<4>);
       for (int r = 0; r < Rows; ++r) {
         int32_t x4;
         std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
-        sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(x4), w);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(x4));
       }
     }
-    const __m512 ws = scales_avx512<WBits>(p.exponents(g, b));
+    const __m512 ws = _mm512_permutexvar_ps(lanes, scales_avx512<4>(p.exponents(g, b)));  // each lane's column's
     const float* xs = p.x_scale(row0, b);
+    const int32_t* xt = p.x_sum(row0, b);
     for (int r = 0; r < Rows; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], code_sums)),
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], _mm512_set1_epi32(kFp4Offset * xt[r]))),
                                _mm512_mul_ps(ws, _mm512_set1_ps(xs[r])), acc[r]);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g)) - 1);
-  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
+  for (int r = 0; r < Rows; ++r)
+    _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, _mm512_permutexvar_ps(lanes, acc[r]));
 }
 
 // ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
@@ -1132,14 +1178,14 @@ void gemm_tile(void* user, size_t index) {
   }
 }
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-enum class Path { kAvx512, kAvx512Int8, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
+enum class Path { kAvx512, kAvx512Fp4, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
 template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
   if constexpr (P == Path::kAvx512)
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
-  else if constexpr (P == Path::kAvx512Int8)
-    return std::array<Kernel, sizeof...(Rows)>{group_avx512_int8<WBits, static_cast<int>(Rows + 1)>...};
+  else if constexpr (P == Path::kAvx512Fp4)
+    return std::array<Kernel, sizeof...(Rows)>{group_avx512_fp4<static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Int8)
     return std::array<Kernel, sizeof...(Rows)>{group_avx2_int8<static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Fp4)
@@ -1160,7 +1206,7 @@ void tile(void* user, size_t index) {
   void (*const* kernels)(const Problem<WBits>&, int64_t, int64_t) = nullptr;
 #ifdef MXSPD_X86
   if constexpr (WBits == 4) {  // one layout (planes8's positions)
-    static constexpr auto k512_fp4 = by_rows<4, Path::kAvx512Int8>(std::make_index_sequence<kRowGroup512>());
+    static constexpr auto k512_fp4 = by_rows<4, Path::kAvx512Fp4>(std::make_index_sequence<kRowGroup512>());
     static constexpr auto k256_fp4 = by_rows<4, Path::kAvx2Fp4>(std::make_index_sequence<kRowGroup>());
     if (kHasAvx512Vbmi) {
       per_pass = kRowGroup512;
@@ -1207,10 +1253,14 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
   // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
   const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
   const bool many8 = m >= kGemmMinRows8<WBits>;
-  if (wide && activation_bits == 8 && (WBits == 4 || many8)) {
+  if (wide && activation_bits == 8 && many8) {
     x.bias();
     p.xu = x.biased.data();
-    if (many8) return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
+    return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
+  }
+  if (wide && WBits == 4) {
+    x.narrow();
+    p.xi = x.bytes.data(), p.xt = x.sums.data();
   }
   if constexpr (WBits != 4)
     if (wide && m >= kGemmMinRows<WBits>) return g_api.parallel_for(ctx, gemm_tile<WBits, false>, (groups + 1) / 2, &p);

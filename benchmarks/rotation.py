@@ -1,16 +1,18 @@
 """What a Hadamard rotation within each 32-weight block would buy MXFP4, before building it into the kernels.
 
     python -m benchmarks.rotation [--recipe smollm2-135m-chat] [--text os:licences] [--tokens 4096]
-                                  [--window 512] [--calibration TEXT]
+                                  [--window N] [--calibration TEXT]
 
 Rotating a linear's inputs by R (block-diagonal, 32 x 32 Hadamard blocks along K, orthonormal) and its
 weights by R too leaves the float product unchanged (x W = (x R)(R W)) but spreads each block's outliers
 over its 32 weights, which MR-GPTQ and llama.cpp's MXFP4 work found to help a power-of-two block scale. This
 simulates it in transformers' float32 model of the recipe's TLM: every decoder linear in MXFP4 (`min_error`
 exponents), rounded to nearest and with error feedback (GPTQ, act order, over the calibration text: the
-recipe's, else the standard-library modules the default pair trained on, `stdlib:train`), each with and
-without the rotation; the LM head and the activations stay float. Prints perplexity ratio, mean KL and top-1 agreement
-against float32 on held-out text (benchmarks.accuracy's texts). Results: docs/formats.md.
+recipe's, else the standard-library modules the default pair trained on, `stdlib:train`; the recipe's
+`mx_calibration_tokens` of it, as a build reads), each with and without the rotation; the LM head and the
+activations stay float. Prints perplexity ratio, mean KL and top-1 agreement against float32 on held-out
+text (benchmarks.accuracy's texts, in windows of the recipe's context, at most 512). Results:
+docs/formats.md.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.accuracy import LICENCES, STDLIB_TRAIN, calibration_reference, held_out_texts
+from benchmarks.accuracy import LICENCES, STDLIB_TRAIN, WINDOW, calibration_reference, held_out_texts
 from export.calibration import calibrate, float_model
 from export.loader import resolve_model_dir
 from export.onnx_export import short_name
@@ -57,27 +59,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recipe", default=DEFAULT_RECIPE)
     ap.add_argument("--text", default=LICENCES, help="held-out text: FILE, pydoc:topics, os:licences or stdlib")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--window", type=int, help="positions per window (default: the recipe's context, at most 512)")
     ap.add_argument("--calibration", help="calibration text (default: the recipe's, else standard-library modules)")
     args = ap.parse_args(argv)
     recipe = get_recipe(args.recipe)
     model_dir = resolve_model_dir(recipe.tlm.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = float_model(model_dir, recipe.context_length)
+    window = args.window or min(recipe.context_length, WINDOW)
     ids: list[int] = []
     for text in held_out_texts(None if args.text == "stdlib" else Path(args.text)):
         ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(ids) > args.tokens:
             break
     inputs, targets = torch.tensor(ids[: args.tokens]), torch.tensor(ids[1 : args.tokens + 1])
-    reference = log_probs(model, inputs, args.window)
+    reference = log_probs(model, inputs, window)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     with tempfile.TemporaryDirectory() as tmp:
-        calibration = calibration_reference(args.calibration or recipe.tlm.mx_calibration or STDLIB_TRAIN, Path(tmp))
-        statistics, what = calibrate(calibration, 8192, model_dir, recipe.context_length,
+        named = args.calibration or recipe.tlm.mx_calibration or STDLIB_TRAIN
+        text = calibration_reference(named, Path(tmp))
+        statistics, what = calibrate(text, recipe.tlm.mx_calibration_tokens,
+                                     model_dir, recipe.context_length,
                                      lambda name: not name.startswith("lm_head"), progress=False, model=model)
     print(f"{recipe.tlm.model}: every decoder linear MXFP4 (min_error), head and activations float32; "
-          f"{len(targets)} held-out tokens of {args.text}; calibration: {what}")
+          f"{len(targets)} held-out tokens of {args.text}; calibration: {what.replace(text, named)}")
     h = hadamard()
     original = {n: m.weight.detach().clone() for n, m in linears.items()}
     for feedback in (False, True):
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     q = fake_quantize(w32, "fp4_e2m1", axis=0, scale="min_error")
                 module.weight.data = torch.from_numpy(np.ascontiguousarray(q.T))
-            got = log_probs(model, inputs, args.window)
+            got = log_probs(model, inputs, window)
             for hook in hooks:
                 hook.remove()
             for name, module in linears.items():

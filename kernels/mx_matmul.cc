@@ -37,8 +37,9 @@
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
 // 8 on AVX2, 32 on AVX-512; MXFP4: 8 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
 // and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
-// vpdpbusd on AVX-512 with every width, from 12 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). All give
-// the same bits (tests/test_native_kernel.py).
+// vpdpbusd on AVX-512 with every width, from 12 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). Fewer rows
+// of int8 activations on AVX-512 multiply bytes too (group_avx512_int8: weights + an offset by the signed
+// activations). All give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -49,7 +50,7 @@
 // magnitudes, each weight's sign moves onto its activation (as planes8), and a block's 8 chunks of pair
 // sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384) before one vpmaddwd; many rows: the tile decoded once
 // to signed bytes for the biased int8 pass loop. On AVX-512 one vpermb gives a chunk's weights + 12
-// for vpdpbusd, by the rows' signed activations, less 12 x each row's block sum (group_avx512_fp4).
+// for vpdpbusd, by the rows' signed activations, less 12 x each row's block sum (group_avx512_int8).
 //
 // prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
 // node of its own (compiler/matmul_prologue.py):
@@ -85,11 +86,13 @@ constexpr int kGroupBlockBytes = kChunks * kChunkBytes<WBits>;
 // permute (VBMI) or a lookup.
 struct CodeTable {
   alignas(64) int8_t weight[64];
+  alignas(64) uint8_t offset[64];  // weight + 64 (4 .. 124): unsigned, for vpdpbusd's first operand
   CodeTable() {
     for (int c = 0; c < 64; ++c) {
       const int mag = c & 31, e = mag >> 3, m = mag & 7;
       const int w = e == 0 ? m : (8 + m) << (e - 1);
       weight[c] = static_cast<int8_t>(c & 32 ? -w : w);
+      offset[c] = static_cast<uint8_t>(weight[c] + 64);
     }
   }
 };
@@ -97,7 +100,6 @@ const CodeTable kCodes;
 
 // 2 * value of every E2M1 code (bit 3: sign, bits 1-2: exponent, bit 0: mantissa) and its magnitude,
 // twice over: one 16-entry byte shuffle per 128-bit lane.
-constexpr int kFp4Offset = 12;  // |2 x an E2M1 value| <= 12
 struct Fp4Table {
   alignas(32) int8_t weight[32];
   alignas(32) uint8_t magnitude[32];
@@ -107,7 +109,7 @@ struct Fp4Table {
     for (int i = 0; i < 64; ++i) {
       const int c = i % 16, e = (c >> 1) & 3, m = c & 1;
       const int w = e == 0 ? m : (2 + m) << (e - 1), signed_w = c & 8 ? -w : w;
-      offset[i] = static_cast<uint8_t>(signed_w + kFp4Offset);
+      offset[i] = static_cast<uint8_t>(signed_w + 12);
       if (i >= 32) continue;
       weight[i] = static_cast<int8_t>(signed_w);
       magnitude[i] = static_cast<uint8_t>(w);
@@ -180,10 +182,10 @@ int weight_at(const uint8_t* block, int q, int o, Layout layout) {
 struct Activations {
   std::vector<int16_t> q;    // [KB, M, 32]: a block's rows side by side, at fixed offsets from one pointer
   std::vector<float> scale;  // [KB, M]
-  std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 many-row path
-                                // and the AVX-512 int8 loops)
+  std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 and AVX-512
+                                // many-row paths)
   std::vector<int8_t> signs;    // [KB, M, 64]: int8 activations, then their negations (sign(), planes8's rows)
-  std::vector<int8_t> bytes;    // [KB, M, 32]: int8 activations (narrow(), MXFP4's few-row loop on AVX-512)
+  std::vector<int8_t> bytes;    // [KB, M, 32]: int8 activations (narrow(), the few-row int8 loop on AVX-512)
   std::vector<int32_t> sums;    // [KB, M]: each block's sum of them
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
@@ -300,15 +302,15 @@ template <int WBits>
 struct Problem {
   const int16_t* xq;  // [KB, M, 32]
   const float* xs;    // [KB, M]
-  const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 many-row path and the AVX-512
-                      // int8 loops read them
+  const uint8_t* xu;  // [KB, M, 32]: the int8 activations + 128, where the AVX2 and AVX-512 many-row paths
+                      // read them
   const int8_t* xn;   // [KB, M, 64]: the int8 activations and their negations, where planes8's few-row path reads them
   const uint8_t* w;   // [G, KB, kGroupBlockBytes<WBits>]
   const uint8_t* s;   // [G, KB, 16]
   float* y;           // [M, N]
   int64_t m, n, kb;
   Layout layout;      // of MXFP6 weights (MXFP4: planes8's positions)
-  const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where MXFP4's few-row loop on AVX-512 reads them
+  const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where the few-row int8 loop on AVX-512 reads them
   const int32_t* xt = nullptr;  // [KB, M]: each block's sum of them
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
@@ -862,20 +864,26 @@ struct ChunkTables {
 };
 const ChunkTables kChunk;
 
+// A triples chunk's 64 MXFP6 codes looked up in a 64-byte table (the permute reads bits 0-5): each 64-bit lane
+// takes the 6 bytes `spread` names, and each of its 8 bytes the 8 bits at its `offsets` entry in them.
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i fp6_lookup_avx512(const uint8_t* chunk, const uint8_t* spread,
+                                                                            const uint8_t* offsets, const void* table) {
+  // 48 bytes by two plain loads: a masked 48-byte load made the whole call 3x slower (AMD EPYC)
+  const __m256i head = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m128i tail = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32));
+  const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(head), _mm256_castsi128_si256(tail), 1);
+  const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(offsets),
+                                                     _mm512_permutexvar_epi8(_mm512_load_si512(spread), raw));
+  return _mm512_permutexvar_epi8(codes, _mm512_load_si512(table));
+}
+
 // The integer weights of a triples chunk (int8): byte o is code 4q + 2 (o / 32) + o % 2 of column (o % 32) / 2.
 template <int WBits>
 __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_codes_avx512(const uint8_t* chunk) {
-  if constexpr (WBits == 8) {
+  if constexpr (WBits == 8)
     return _mm512_loadu_si512(chunk);
-  } else {
-    // 48 bytes by two plain loads: a masked 48-byte load made the whole call 3x slower (AMD EPYC)
-    const __m256i head = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-    const __m128i tail = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32));
-    const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(head), _mm256_castsi128_si256(tail), 1);
-    const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(kChunk.offsets),
-                                                       _mm512_permutexvar_epi8(_mm512_load_si512(kChunk.spread), raw));
-    return _mm512_permutexvar_epi8(codes, _mm512_load_si512(kCodes.weight));  // the permute reads bits 0-5
-  }
+  else
+    return fp6_lookup_avx512(chunk, kChunk.spread, kChunk.offsets, kCodes.weight);
 }
 
 // The weights of chunk q as int16: code pair 2q (codes 4q, 4q + 1) of the 16 columns in w0, 2q + 1 in w1.
@@ -902,6 +910,29 @@ struct LaneTables {
 };
 const LaneTables kLanes;
 constexpr int64_t kHighHalf = 0x0004000400040004;  // four 16-bit shift counts of 4
+
+// A chunk's codes straight into column order (byte i: column i / 4, code 4q + i % 4), which sits at decoded
+// position o = 32 (j / 2) + 2 c + j % 2 of triples (chunk_codes_avx512): MXFP6 by a spread that brings each
+// 64-bit lane the 6 bytes holding its two columns' codes (bits 24 L .. 24 L + 23 and 192 + 24 L ..) and the
+// multishift's offsets within them; MXINT8 by one byte permute.
+struct ColumnTables {
+  alignas(64) uint8_t spread[64], offsets[64], int8_order[64];
+  ColumnTables() {
+    for (int i = 0; i < 64; ++i) {
+      const int lane = i / 8, column = i / 4, j = i % 4, t = 2 * (column % 2) + j % 2;
+      const int b = i % 8;  // the lane's bytes: 3 at 3 L, then 3 at 24 + 3 L (that last one twice more)
+      spread[i] = static_cast<uint8_t>(b < 3 ? 3 * lane + b : 24 + 3 * lane + std::min(b - 3, 2));
+      offsets[i] = static_cast<uint8_t>(24 * (j / 2) + 6 * t);
+      int8_order[i] = static_cast<uint8_t>(32 * (j / 2) + 2 * column + j % 2);
+    }
+  }
+};
+const ColumnTables kColumns;
+
+// The offset that makes a width's integer weights unsigned for vpdpbusd: |w| <= 12 (MXFP4, 2 x value), 60
+// (MXFP6 E2M3, 8 x value), 128 (MXINT8).
+template <int WBits>
+constexpr int kOffset = WBits == 4 ? 12 : WBits == 6 ? 64 : 128;
 
 // The signed integer weights of chunk q, one column's 4 codes (4q .. 4q + 3) in each 32-bit lane, columns
 // in order: what vpdpbusd multiplies by a row's 4 activations. MXFP4 from planes8's nibbles by one 16-entry
@@ -930,6 +961,19 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i fp4_lanes_avx512(const
   const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
   const __m512i nibbles = _mm512_srlv_epi16(both, _mm512_set_epi64(kHighHalf, kHighHalf, kHighHalf, kHighHalf, 0, 0, 0, 0));
   return _mm512_permutexvar_epi8(nibbles, _mm512_load_si512(kFp4.offset));
+}
+
+// MXFP6 (triples) and MXINT8 chunk q's 64 weights + kOffset (unsigned) in column order, one column's 4 codes a
+// 32-bit lane: MXFP6 by two loads, the column spread, the multishift and the offset table's lookup; MXINT8 by
+// a load, the byte permute and a sign flip (w + 128 as a byte).
+template <int WBits>
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i offset_columns_avx512(const uint8_t* chunk) {
+  if constexpr (WBits == 8) {
+    const __m512i w = _mm512_permutexvar_epi8(_mm512_load_si512(kColumns.int8_order), _mm512_loadu_si512(chunk));
+    return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    return fp6_lookup_avx512(chunk, kColumns.spread, kColumns.offsets, kCodes.offset);
+  }
 }
 
 // The 16 columns' block scales; the table only where a result is not a normal float (rare).
@@ -976,41 +1020,50 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512(const Problem<WBits
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, acc[r]);
 }
 
-// MXFP4, one row to a few, int8 activations by vpdpbusd: each chunk's weights + 12 (unsigned, fp4_lanes_avx512)
-// times each row's 4 signed activations, less 12 x the row's block sum (found once per call, shared by every
-// column): the block's exact integer sums (<= 8 x 4 x 24 x 127 before the correction), the bits of every other
-// path. (With the activations biased to unsigned and the weights signed, a chunk took one more vpdpbusd for its
-// code sums.)
-template <int Rows>
-__attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_fp4(const Problem<4>& p, int64_t g, int64_t row0) {
+// int8 activations, one row to a few, by vpdpbusd (every width): each chunk's weights + kOffset (unsigned;
+// MXFP4 fp4_lanes_avx512, else offset_columns_avx512) times each row's 4 signed activations, less kOffset x
+// the row's block sum (found once per call, shared by every column): the block's exact integer sums (at most
+// 8 x 4 x 255 x 127 before the correction), the bits of every other path. MXFP4's lanes hold planes8's
+// column order, undone once per block on the scales and once per call on the sums. (Before, MXFP4 decoded
+// signed weights for biased activations, one more vpdpbusd a chunk for its code sums; MXFP6 and MXINT8 widened
+// the weights to int16 for two vpdpwssd a chunk and row.)
+template <int WBits, int Rows>
+__attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<WBits>& p, int64_t g, int64_t row0) {
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i lanes = _mm512_load_si512(kLanes.planes8);  // lane j's column (an involution)
+  const __m512i lanes = _mm512_load_si512(kLanes.planes8);  // MXFP4: lane j's column (an involution)
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
-    prefetch_ahead<4, 4096>(blk);
+    prefetch_ahead<WBits, 4096>(blk);
     const int8_t* xb = p.x_bytes(row0, b);  // row r's 32 activations at xb + 32 r
     __m512i sum[Rows];
     for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int q = 0; q < kChunks; ++q) {
-      const __m512i w = fp4_lanes_avx512(blk + q * kChunkBytes<4>);
+      const uint8_t* chunk = blk + q * kChunkBytes<WBits>;
+      __m512i w;
+      if constexpr (WBits == 4)
+        w = fp4_lanes_avx512(chunk);
+      else
+        w = offset_columns_avx512<WBits>(chunk);
       for (int r = 0; r < Rows; ++r) {
         int32_t x4;
         std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
         sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(x4));
       }
     }
-    const __m512 ws = _mm512_permutexvar_ps(lanes, scales_avx512<4>(p.exponents(g, b)));  // each lane's column's
+    __m512 ws = scales_avx512<WBits>(p.exponents(g, b));
+    if constexpr (WBits == 4) ws = _mm512_permutexvar_ps(lanes, ws);  // each lane's column's scale
     const float* xs = p.x_scale(row0, b);
     const int32_t* xt = p.x_sum(row0, b);
     for (int r = 0; r < Rows; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], _mm512_set1_epi32(kFp4Offset * xt[r]))),
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r], _mm512_set1_epi32(kOffset<WBits> * xt[r]))),
                                _mm512_mul_ps(ws, _mm512_set1_ps(xs[r])), acc[r]);
   }
   const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g)) - 1);
   for (int r = 0; r < Rows; ++r)
-    _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid, _mm512_permutexvar_ps(lanes, acc[r]));
+    _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + g * kGroup, valid,
+                          WBits == 4 ? _mm512_permutexvar_ps(lanes, acc[r]) : acc[r]);
 }
 
 // ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
@@ -1042,6 +1095,12 @@ constexpr int kGemmMinRows = WBits == 8 ? 32 : 16;
 // one lookup, 1.04-1.06x at 64 rows, 0.95x at 32.
 template <int WBits>
 constexpr int kGemmMinRows8 = WBits == 6 ? 12 : WBits == 8 ? 24 : 64;
+// int8 activations below those: the few-row loop on bytes (group_avx512_int8) from these rows, else the int16
+// loop on the same integers. On a Zen 4, MXINT8 from memory at SmolLM2's shapes (576 x 1536, 1536 x 576) ran
+// 0.92-0.93x the int16 loop at one row, 0.95-1.00x at 2, 0.98-1.03x at 3, 1.00-1.20x at 4 and 1.24-1.29x at 8;
+// MXFP6 1.02-1.20x at one row and 1.13-1.36x at 2 (its int16 loop widens more); MXFP4 has no int16 loop.
+template <int WBits>
+constexpr int kFewRows8 = WBits == 8 ? 4 : 1;
 constexpr int kPairShorts = 4 * 32;  // a chunk of a group pair as int16: [w0 g0, w0 g1, w1 g0, w1 g1] x 32
 constexpr int kPairBytes8 = 2 * 64;  // as int8: [g0, g1] x 16 columns x 4 codes
 
@@ -1178,14 +1237,14 @@ void gemm_tile(void* user, size_t index) {
   }
 }
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
-enum class Path { kAvx512, kAvx512Fp4, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
+enum class Path { kAvx512, kAvx512Int8, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
 template <int WBits, Path P, size_t... Rows>
 constexpr auto by_rows(std::index_sequence<Rows...>) {
   using Kernel = void (*)(const Problem<WBits>&, int64_t, int64_t);
   if constexpr (P == Path::kAvx512)
     return std::array<Kernel, sizeof...(Rows)>{group_avx512<WBits, static_cast<int>(Rows + 1)>...};
-  else if constexpr (P == Path::kAvx512Fp4)
-    return std::array<Kernel, sizeof...(Rows)>{group_avx512_fp4<static_cast<int>(Rows + 1)>...};
+  else if constexpr (P == Path::kAvx512Int8)
+    return std::array<Kernel, sizeof...(Rows)>{group_avx512_int8<WBits, static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Int8)
     return std::array<Kernel, sizeof...(Rows)>{group_avx2_int8<static_cast<int>(Rows + 1)>...};
   else if constexpr (P == Path::kAvx2Fp4)
@@ -1206,7 +1265,7 @@ void tile(void* user, size_t index) {
   void (*const* kernels)(const Problem<WBits>&, int64_t, int64_t) = nullptr;
 #ifdef MXSPD_X86
   if constexpr (WBits == 4) {  // one layout (planes8's positions)
-    static constexpr auto k512_fp4 = by_rows<4, Path::kAvx512Fp4>(std::make_index_sequence<kRowGroup512>());
+    static constexpr auto k512_fp4 = by_rows<4, Path::kAvx512Int8>(std::make_index_sequence<kRowGroup512>());
     static constexpr auto k256_fp4 = by_rows<4, Path::kAvx2Fp4>(std::make_index_sequence<kRowGroup>());
     if (kHasAvx512Vbmi) {
       per_pass = kRowGroup512;
@@ -1216,6 +1275,7 @@ void tile(void* user, size_t index) {
     }
   } else {
     static constexpr auto k512 = by_rows<WBits, Path::kAvx512>(std::make_index_sequence<kRowGroup512>());
+    static constexpr auto k512_int8 = by_rows<WBits, Path::kAvx512Int8>(std::make_index_sequence<kRowGroup512>());
     static constexpr auto k256 = by_rows<WBits, Path::kAvx2>(std::make_index_sequence<kRowGroup>());
     // MXINT8 has one layout: its planes kernels are the triples ones (and planes8 is refused for it)
     static constexpr auto k256_planes =
@@ -1224,7 +1284,7 @@ void tile(void* user, size_t index) {
         by_rows<WBits, WBits == 6 ? Path::kAvx2Int8 : Path::kAvx2>(std::make_index_sequence<kRowGroup>());
     if (kHasAvx512Vbmi && p.layout == kTriples) {
       per_pass = kRowGroup512;
-      kernels = k512.data();
+      kernels = p.xi ? k512_int8.data() : k512.data();  // int8 activations as bytes, or as int16
     } else if (kHasAvx2) {
       kernels = p.layout == kPlanes8 ? k256_planes8.data() : p.layout == kPlanes ? k256_planes.data() : k256.data();
     }
@@ -1258,7 +1318,7 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
     p.xu = x.biased.data();
     return g_api.parallel_for(ctx, gemm_tile<WBits, true>, (groups + 1) / 2, &p);
   }
-  if (wide && WBits == 4) {
+  if (wide && activation_bits == 8 && m >= kFewRows8<WBits>) {  // the few-row loop on bytes
     x.narrow();
     p.xi = x.bytes.data(), p.xt = x.sums.data();
   }

@@ -56,9 +56,10 @@ inline OrtStatus* read_prologue(const OrtKernelInfo* info, const char* refusal, 
   return *prologue == kSkipRms ? g_api.attribute(info, "epsilon", epsilon) : nullptr;
 }
 
-// Rows from which the work done row by row before a matmul (a prologue, the activations' rounding) runs on
-// the op's threads: each row is computed alone, so the bits are the same whoever runs it. (On the calling
-// thread alone it was a serial 3-5% of a 64-row serving step and of a 1B prefill chunk.)
+// Rows from which a matmul's prologue runs row by row on the op's threads: each row is computed alone, so
+// the bits are the same whoever runs it. (On the calling thread alone it cost a 64-row serving step ~4% on 2
+// threads; the activations' rounding after it stays on the calling thread: spread over the op's threads it
+// was 0.92-1.05x, docs/benchmarks.md.)
 constexpr int64_t kParallelRows = 8;
 
 // f(user, row) for every row in [0, m): on the op's threads from kParallelRows rows, else on this one.

@@ -40,7 +40,7 @@ from common.manifest import ArtifactError
 from common.recipe import selects_head
 from recipes import DEFAULT_RECIPE, get_recipe
 from recipes.calibration_text import PROSE
-from recipes.default_pair import stdlib_files
+from recipes.default_pair import stdlib_files, training_texts
 from recipes.ngram_draft import instructions
 
 # Other TLM settings, whatever the recipe says: every decoder weight in the MX format with a float32 LM
@@ -178,13 +178,8 @@ def calibration_reference(reference: str, folder: Path) -> str:
     """A calibration text as a recipe names it (a path or builtin:NAME); stdlib:train written into `folder`."""
     if reference != STDLIB_TRAIN:
         return reference
-    text = ""
-    for f in stdlib_files("train"):
-        text += f.read_text(errors="replace")
-        if len(text) >= STDLIB_TRAIN_CHARS:
-            break
     path = folder / "stdlib-train.txt"
-    path.write_text(text[:STDLIB_TRAIN_CHARS])
+    path.write_text("".join(training_texts(STDLIB_TRAIN_CHARS))[:STDLIB_TRAIN_CHARS])
     return str(path)
 
 
@@ -208,9 +203,8 @@ def given_artifact(path: Path, reference, window: int):
     return art
 
 
-def held_out_tokens(art, text_file: Path | None, limit: int) -> np.ndarray:
+def held_out_tokens(tok, text_file: Path | None, limit: int) -> np.ndarray:
     texts = held_out_texts(text_file)
-    tok = art.tokenizer
     ids: list[int] = []
     for text in texts:
         ids += tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -453,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 art = given_artifact(path, reference, recipe.context_length)
                 fmt, shipped = art.manifest.models["tlm"].quant.get("format"), False
             if tokens is None:
-                tokens, reference = held_out_tokens(art, args.text, args.tokens), art
+                tokens, reference = held_out_tokens(art.tokenizer, args.text, args.tokens), art
                 fp32_bytes = weight_bytes_per_call(path, "tlm")
                 divergence = Divergence(out_dir / "fp32-logprobs.npy", len(tokens) - 1)
             scores = score(art, tokens, divergence, recipe.context_length)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.accuracy import LICENCES, STDLIB_TRAIN, WINDOW, calibration_reference, held_out_texts
+from benchmarks.accuracy import LICENCES, STDLIB_TRAIN, WINDOW, calibration_reference, held_out_tokens
 from export.calibration import calibrate, float_model
 from export.loader import resolve_model_dir
 from export.onnx_export import short_name
@@ -67,12 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = float_model(model_dir, recipe.context_length)
     window = args.window or min(recipe.context_length, WINDOW)
-    ids: list[int] = []
-    for text in held_out_texts(None if args.text == "stdlib" else Path(args.text)):
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(ids) > args.tokens:
-            break
-    inputs, targets = torch.tensor(ids[: args.tokens]), torch.tensor(ids[1 : args.tokens + 1])
+    text_file = None if args.text == "stdlib" else Path(args.text)
+    ids = torch.from_numpy(held_out_tokens(tokenizer, text_file, args.tokens + 1))
+    inputs, targets = ids[:-1], ids[1:]
     reference = log_probs(model, inputs, window)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     with tempfile.TemporaryDirectory() as tmp:

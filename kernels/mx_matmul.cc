@@ -894,18 +894,12 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline void chunk_avx512(const uint8_
   *w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));
 }
 
-// Each 32-bit lane's source for a chunk's codes in column order, one column's 4 codes (4q .. 4q + 3) a lane:
-// from triples' word order (16-bit words j and 16 + j hold column j's pairs) and from planes8's lane
-// order (lanes 4-7 hold columns 8-11, lanes 8-11 columns 4-7).
+// Each 32-bit lane's source for an MXFP4 chunk's codes in column order, one column's 4 codes (4q .. 4q + 3) a
+// lane, from planes8's lane order (lanes 4-7 hold columns 8-11, lanes 8-11 columns 4-7).
 struct LaneTables {
-  alignas(64) uint16_t triples[32];
   alignas(64) uint32_t planes8[16];
   LaneTables() {
-    for (int j = 0; j < 16; ++j) {
-      triples[2 * j] = static_cast<uint16_t>(j);
-      triples[2 * j + 1] = static_cast<uint16_t>(16 + j);
-      planes8[j] = static_cast<uint32_t>(j / 4 == 1 ? j + 4 : j / 4 == 2 ? j - 4 : j);
-    }
+    for (int j = 0; j < 16; ++j) planes8[j] = static_cast<uint32_t>(j / 4 == 1 ? j + 4 : j / 4 == 2 ? j - 4 : j);
   }
 };
 const LaneTables kLanes;
@@ -936,7 +930,7 @@ constexpr int kOffset = WBits == 4 ? 12 : WBits == 6 ? 64 : 128;
 
 // The signed integer weights of chunk q, one column's 4 codes (4q .. 4q + 3) in each 32-bit lane, columns
 // in order: what vpdpbusd multiplies by a row's 4 activations. MXFP4 from planes8's nibbles by one 16-entry
-// lookup per 128-bit lane.
+// lookup per 128-bit lane; MXFP6 and MXINT8 by the column tables.
 template <int WBits>
 __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_bytes_avx512(const uint8_t* chunk) {
   if constexpr (WBits == 4) {
@@ -945,15 +939,17 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i chunk_bytes_avx512(con
                                                _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
     const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp4.weight)));
     return _mm512_permutexvar_epi32(_mm512_load_si512(kLanes.planes8), _mm512_shuffle_epi8(table, nibbles));
+  } else if constexpr (WBits == 8) {
+    return _mm512_permutexvar_epi8(_mm512_load_si512(kColumns.int8_order), _mm512_loadu_si512(chunk));
   } else {
-    return _mm512_permutexvar_epi16(_mm512_load_si512(kLanes.triples), chunk_codes_avx512<WBits>(chunk));
+    return fp6_lookup_avx512(chunk, kColumns.spread, kColumns.offsets, kCodes.weight);
   }
 }
 
 // MXFP4 chunk q's 64 weights + 12 (unsigned) for the few-row loop in three instructions: the chunk's 32 bytes
 // in both halves, the upper half's 16-bit words shifted right by 4 (each byte's high nibble into its low 4
 // bits), then vpermb on the 16 values four times over (an index's bits 4-5, whatever they hold, then pick
-// the same value: no mask). The lanes are those of chunk_bytes_avx512 before its permute: lane j holds
+// the same value: no mask). The lanes are those of chunk_bytes_avx512<4> before its permute: lane j holds
 // column planes8[j] (columns 4-7 and 8-11 swapped), which the loop undoes once per block on the scales and
 // once per call on its sums. (Against the nibbles' two masks, a shift, an insert and the permute per chunk:
 // 7 instructions.)
@@ -963,17 +959,14 @@ __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i fp4_lanes_avx512(const
   return _mm512_permutexvar_epi8(nibbles, _mm512_load_si512(kFp4.offset));
 }
 
-// MXFP6 (triples) and MXINT8 chunk q's 64 weights + kOffset (unsigned) in column order, one column's 4 codes a
-// 32-bit lane: MXFP6 by two loads, the column spread, the multishift and the offset table's lookup; MXINT8 by
-// a load, the byte permute and a sign flip (w + 128 as a byte).
+// MXFP6 (triples) and MXINT8 chunk q's 64 weights + kOffset (unsigned), as chunk_bytes_avx512 orders them:
+// MXFP6 looked up in the offset table, MXINT8's signed bytes with their sign bit flipped (w + 128 as a byte).
 template <int WBits>
 __attribute__((target(MXSPD_AVX512_VBMI))) inline __m512i offset_columns_avx512(const uint8_t* chunk) {
-  if constexpr (WBits == 8) {
-    const __m512i w = _mm512_permutexvar_epi8(_mm512_load_si512(kColumns.int8_order), _mm512_loadu_si512(chunk));
-    return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else {
+  if constexpr (WBits == 8)
+    return _mm512_xor_si512(chunk_bytes_avx512<8>(chunk), _mm512_set1_epi8(static_cast<char>(0x80)));
+  else
     return fp6_lookup_avx512(chunk, kColumns.spread, kColumns.offsets, kCodes.offset);
-  }
 }
 
 // The 16 columns' block scales; the table only where a result is not a normal float (rare).

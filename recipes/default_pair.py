@@ -67,17 +67,22 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
 
 
+def training_texts(at_least: int) -> list[str]:
+    """The training modules' texts in order, as many as reach `at_least` characters in all."""
+    texts, total = [], 0
+    for f in stdlib_files("train"):
+        texts.append(f.read_text(errors="replace"))
+        total += len(texts[-1])
+        if total >= at_least:
+            break
+    return texts
+
+
 def train_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE, max_bytes: int = 4_000_000) -> None:
     """Byte-level BPE trained deterministically on the first max_bytes of the training modules."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    texts, total = [], 0
-    for f in stdlib_files("train"):
-        text = f.read_text(errors="replace")
-        texts.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
+    texts = training_texts(max_bytes)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -58,6 +58,11 @@ constexpr int kValueFraction = 26;          // value terms: |p * v| * 2^(26 - e)
 constexpr int kMinExponent = -100;          // e at least this (tinier values): 2^(26 - e) stays a float
 constexpr double kDenominatorScale = 1099511627776.0;  // 2^40 (kFraction)
 constexpr size_t kFlush = 16;               // keys per int32 partial sum: 16 * 2^26 = 2^30 < 2^31
+// ... or, where the probabilities are summed as they go (the tile kernels), while they add up to at most
+// kFlushWeight: the terms' magnitudes then add up to below 2^26 * (kFlushWeight + 1) (their roundings
+// included, over at most kFlushKeys keys) < 2^31. Attention is mostly a few keys' weight: it flushes rarely.
+constexpr float kFlushWeight = 30.0f;
+constexpr size_t kFlushKeys = size_t{1} << 24;
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
 constexpr int64_t kMagicBits = 0x4338000000000000;
 
@@ -181,6 +186,9 @@ struct Problem {
   const int32_t* lists = nullptr;    // each mask row's visible keys (list_task)
   const uint32_t* counts = nullptr;
   const float* key_range = nullptr;  // [B, Hkv, C + T]: each key's value range (value_range), or none
+  int64_t tile_rows = 1;             // rows per task (see tile_unions)
+  const int32_t* tile_keys = nullptr;  // each tile's keys: [B * mask heads * tiles, C + T] (tile_unions)
+  const int64_t* tile_counts = nullptr;  // how many, or -1: the tile's rows run one at a time
 
   const float* key(int64_t batch, int64_t head, int64_t j) const {
     return j < c ? past_key + ((batch * hkv + head) * c + j) * d : new_key + ((batch * hkv + head) * t + j - c) * d;
@@ -267,6 +275,12 @@ void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part
   }
   flush(part, num, v.d);
 }
+
+// Up to kTile query vectors that see the same keys (the query heads of a KV head's group, rows of a call
+// that share keys) work through them together on AVX-512: each key row's 16-float pieces loaded once for
+// all of them, each vector keeping its own arithmetic, the bits it gets alone.
+constexpr int kTile = 3;
+constexpr int64_t kTileWaste = 8;  // rows share a tile while their union adds at most 1/8 to a row's keys
 
 // Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
 // for the row `kAhead` keys on while working on this one.
@@ -523,41 +537,143 @@ __attribute__((target(MXSPD_AVX512))) void scores_avx512(const Visible& v, const
     score[n] = dot_avx2(q, v.key[n], v.d) * v.scale + v.bias[n];
 }
 
-// Head sizes 64 and 128 (D16 = 4 or 8 registers): the int32 partial sums stay in registers across keys.
-template <int D16>
-__attribute__((target(MXSPD_AVX512))) void sums_avx512(const Visible& v, const float* prob, float scale,
-                                                       int64_t* num, int64_t* den) {
-  // The denominator's integer terms, 8 at a time (fixed(), lane by lane; integer sums in any order).
+// reduce16 for 8 keys at once: acc[k]'s lanes l and l + 8 added, then lane_sum's tree, the same additions
+// across registers (stage by stage: two keys per register, then four, then eight). Returns the 8 sums in
+// key order.
+__attribute__((target(MXSPD_AVX512))) inline __m256 reduce8x16(const __m512 (&acc)[8]) {
+  __m512 h[4], t[2];  // h[m]: keys 2m, 2m + 1, lanes l + (l + 8); t[m]: keys 4m..4m + 3, h[i] + h[i + 4]
+  for (int m = 0; m < 4; ++m)
+    h[m] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0xee));
+  for (int m = 0; m < 2; ++m)
+    t[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(h[2 * m], h[2 * m + 1], 0xdd));
+  // per 128 bits: key L then key L + 4, each (t0 + t2, t1 + t3); then their sum, keys L and L + 4 first
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[0]), _mm512_castps_pd(t[1]));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[0]), _mm512_castps_pd(t[1]));
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, s));
+}
+
+// Q vectors' scores (head sizes a multiple of 16), 8 keys at a time: each (vector, key) one 16-lane fma
+// chain (dot8_avx512's order), reduced by reduce8x16; then * scale + bias. A bias of -infinity marks a key
+// the vector does not see (a row of a tile whose other rows see it): its score is -infinity, whatever the
+// key holds.
+template <int Q>
+__attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, const float* const* q,
+                                                              const float* const* bias, float* const* score) {
+  const __m256 scale = _mm256_set1_ps(v.scale), hidden = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t n = 0;
+  for (; n + 8 <= v.n; n += 8) {
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + 8, v.ahead); ++k) prefetch_row(v.key[k], v.d);
+    __m512 acc[Q][8];
+    for (auto& a : acc)
+      for (auto& x : a) x = _mm512_setzero_ps();
+    for (int64_t i = 0; i < v.d; i += 16) {
+      __m512 x[Q];
+      for (int j = 0; j < Q; ++j) x[j] = _mm512_loadu_ps(q[j] + i);
+      for (int k = 0; k < 8; ++k) {
+        const __m512 y = _mm512_loadu_ps(v.key[n + k] + i);
+        for (int j = 0; j < Q; ++j) acc[j][k] = _mm512_fmadd_ps(x[j], y, acc[j][k]);
+      }
+    }
+    for (int j = 0; j < Q; ++j) {
+      const __m256 b = _mm256_loadu_ps(bias[j] + n);
+      const __m256 s = _mm256_add_ps(_mm256_mul_ps(reduce8x16(acc[j]), scale), b);
+      _mm256_storeu_ps(score[j] + n, _mm256_mask_mov_ps(s, _mm256_cmp_ps_mask(b, hidden, _CMP_EQ_OQ), hidden));
+    }
+  }
+  for (; n < v.n; ++n)
+    for (int j = 0; j < Q; ++j)
+      score[j][n] = bias[j][n] == -std::numeric_limits<float>::infinity()
+                        ? bias[j][n]
+                        : dot_avx2(q[j], v.key[n], v.d) * v.scale + bias[j][n];
+}
+
+// A vector's denominator terms, fixed(p * 2^40), 8 at a time (lane by lane; integer sums in any order).
+__attribute__((target(MXSPD_AVX512))) int64_t denominator_avx512(const float* prob, size_t count) {
   const __m512d scale40 = _mm512_set1_pd(kDenominatorScale), magic = _mm512_set1_pd(kMagic);
   __m512i terms = _mm512_setzero_si512();
   size_t n = 0;
-  for (; n + 8 <= v.n; n += 8) {
+  for (; n + 8 <= count; n += 8) {
     const __m512d t = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(prob + n)), scale40), magic);
     terms = _mm512_add_epi64(terms, _mm512_sub_epi64(_mm512_castpd_si512(t), _mm512_set1_epi64(kMagicBits)));
   }
-  *den += _mm512_reduce_add_epi64(terms);
-  for (; n < v.n; ++n) *den += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
-  __m512i acc[D16];
-  for (int j = 0; j < D16; ++j) acc[j] = _mm512_setzero_si512();
-  for (size_t n = 0; n < v.n; ++n) {
-    const float* x = v.value[n];
-    if (n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
-    const __m512 f = _mm512_set1_ps(prob[n] * scale);
-    for (int j = 0; j < D16; ++j)
-      acc[j] = _mm512_add_epi32(acc[j], _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * j), f)));
-    if ((n + 1) % kFlush == 0 || n + 1 == v.n) {  // into the int64 sums, widened 8 lanes at a time
-      for (int j = 0; j < D16; ++j) {
-        for (int half = 0; half < 2; ++half) {
-          int64_t* sum = num + 16 * j + 8 * half;
-          const __m256i lanes = _mm512_extracti64x4_epi64(acc[j], half);
-          _mm512_storeu_si512(sum, _mm512_add_epi64(_mm512_loadu_si512(sum), _mm512_cvtepi32_epi64(lanes)));
-        }
-        acc[j] = _mm512_setzero_si512();
+  int64_t sum = _mm512_reduce_add_epi64(terms);
+  for (; n < count; ++n) sum += fixed(static_cast<double>(prob[n]) * kDenominatorScale);
+  return sum;
+}
+
+// Q vectors' weighted sums over the same value rows, 16 W columns at a time (head sizes a multiple of
+// that): the int32 partial sums in registers across keys (W a vector), each value piece loaded once for all
+// Q (a key a vector does not see has p = 0: its terms are 0).
+template <int Q, int W>
+__attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, const float* const* prob,
+                                                            const float* step, int64_t* const* num, int64_t* const* den) {
+  for (int j = 0; j < Q; ++j) *den[j] += denominator_avx512(prob[j], v.n);
+  for (int64_t c = 0; c < v.d; c += 16 * W) {
+    __m512i acc[Q][W];
+    for (auto& a : acc)
+      for (auto& x : a) x = _mm512_setzero_si512();
+    float weight = 0.0f;  // the probabilities of the keys since the last flush, every vector's together
+    size_t since = 0;
+    for (size_t n = 0; n < v.n; ++n) {
+      const float* x = v.value[n] + c;
+      if (c == 0 && n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+      __m512 f[Q];
+      for (int j = 0; j < Q; ++j) f[j] = _mm512_set1_ps(prob[j][n] * step[j]), weight += prob[j][n];
+      for (int i = 0; i < W; ++i) {
+        const __m512 y = _mm512_loadu_ps(x + 16 * i);
+        for (int j = 0; j < Q; ++j)
+          acc[j][i] = _mm512_add_epi32(acc[j][i], _mm512_cvtps_epi32(_mm512_mul_ps(y, f[j])));
+      }
+      const float next = n + 1 < v.n ? [&] {
+        float w = 0.0f;
+        for (int j = 0; j < Q; ++j) w += prob[j][n + 1];
+        return w;
+      }() : 0.0f;
+      if (!(weight + next <= kFlushWeight) || ++since == kFlushKeys || n + 1 == v.n) {  // into the int64 sums
+        weight = 0.0f, since = 0;
+        for (int j = 0; j < Q; ++j)
+          for (int i = 0; i < W; ++i) {
+            for (int half = 0; half < 2; ++half) {
+              int64_t* sum = num[j] + c + 16 * i + 8 * half;
+              const __m256i lanes = _mm512_extracti64x4_epi64(acc[j][i], half);
+              _mm512_storeu_si512(sum, _mm512_add_epi64(_mm512_loadu_si512(sum), _mm512_cvtepi32_epi64(lanes)));
+            }
+            acc[j][i] = _mm512_setzero_si512();
+          }
       }
     }
   }
 }
 #endif
+
+// q vectors (1 to kTile) through the tile kernels (the AVX-512 path's: see tiled()).
+void tile_scores(const Visible& v, int q, const float* const* query, const float* const* bias, float* const* score) {
+#ifdef MXSPD_X86
+  switch (q) {
+    case 1: return tile_scores_avx512<1>(v, query, bias, score);
+    case 2: return tile_scores_avx512<2>(v, query, bias, score);
+    default: return tile_scores_avx512<3>(v, query, bias, score);
+  }
+#endif
+}
+
+void tile_sums(const Visible& v, int q, const float* const* prob, const float* step, int64_t* const* num,
+               int64_t* const* den) {
+#ifdef MXSPD_X86
+  switch (q) {  // one vector: 128 columns a pass where they divide the head (8 registers, not 2 passes of 4)
+    case 1: return v.d % 128 ? tile_sums_avx512<1, 4>(v, prob, step, num, den)
+                             : tile_sums_avx512<1, 8>(v, prob, step, num, den);
+    case 2: return tile_sums_avx512<2, 4>(v, prob, step, num, den);
+    default: return tile_sums_avx512<3, 4>(v, prob, step, num, den);
+  }
+#endif
+}
 
 void scan_values(const Visible& v, float* largest, bool* bad) {
 #ifdef MXSPD_X86
@@ -715,8 +831,6 @@ float largest_score(const float* score, size_t n, bool* bad) {
 
 void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64_t* num, int64_t* den) {
 #ifdef MXSPD_X86
-  if (kHasAvx512 && v.d == 64) return sums_avx512<4>(v, prob, scale, num, den);
-  if (kHasAvx512 && v.d == 128) return sums_avx512<8>(v, prob, scale, num, den);
   if (kHasAvx2) return sums_avx2(v, prob, scale, part, num, den);
 #endif
   sums_scalar(v, prob, scale, part, num, den);
@@ -778,32 +892,101 @@ void range_task(void* user, size_t index) {
   }
 }
 
-// Keys per block: each head of a task's group works through a block in turn, so that the first brings
-// the block's key (or value) rows into L1, prefetching ahead, and the others read them there. (Head by
-// head over all keys, each head read every row again from L2 or memory, and prefetched it again.)
+// Keys per block: each vector of a task works through a block in turn, so that the first brings the
+// block's key (or value) rows into L1, prefetching ahead, and the others read them there. (Vector by vector
+// over all keys, each read every row again from L2 or memory, and prefetched it again.)
 constexpr size_t kBlock = 32;
 
-// One task: (batch, group of query heads, row) -> their output vectors. Each head's arithmetic is the same
-// whatever the blocks: its scores key by key, and its sums exact integers, added in any grouping.
-void task(void* user, size_t index) {
-  const Problem& p = *static_cast<const Problem*>(user);
-  const int64_t g = group(p), groups = p.hq / g, keys = p.c + p.t;
-  const int64_t tt = static_cast<int64_t>(index) % p.t, h0 = static_cast<int64_t>(index) / p.t % groups * g;
-  const int64_t bb = static_cast<int64_t>(index) / (p.t * groups), kv = h0 / (p.hq / p.hkv);
-  const int64_t row = (bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt;
+// The tile kernels' path: AVX-512, head sizes a multiple of 64 (others run vector by vector).
+bool tiled(const Problem& p) {
+#ifdef MXSPD_X86
+  return kHasAvx512 && p.d % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+// For a call whose rows share keys (each key's value range found once) where the tile kernels run: rows
+// per task, as many as fill a tile beside the group's query heads, and each tile's keys (the union of its
+// rows' lists, in key order), found once per call; a tile whose union adds more than 1/kTileWaste to one of
+// its rows' keys (rows of different sequences) is marked -1.
+int64_t tile_unions(const Problem& p, std::vector<int32_t>& keys_out, std::vector<int64_t>& counts_out) {
+  const int64_t rows = std::max<int64_t>(1, kTile / group(p)), keys = p.c + p.t;
+  if (!tiled(p) || rows == 1) return 1;
+  const int64_t tiles = (p.t + rows - 1) / rows, all = p.b * p.mask_heads * tiles;
+  if (keys_out.size() < static_cast<size_t>(all * keys)) keys_out.resize(all * keys);
+  counts_out.resize(all);
+  std::vector<int32_t> merged, next;
+  for (int64_t i = 0; i < all; ++i) {
+    merged.clear();
+    size_t most = 0;
+    const int64_t first = i / tiles * p.t + i % tiles * rows;  // its first mask row
+    for (int64_t r = first; r < first + rows && r < (i / tiles + 1) * p.t; ++r) {
+      const int32_t* own = p.lists + r * keys;
+      most = std::max<size_t>(most, p.counts[r]);
+      next.resize(merged.size() + p.counts[r]);
+      next.erase(std::set_union(merged.begin(), merged.end(), own, own + p.counts[r], next.begin()), next.end());
+      merged.swap(next);
+    }
+    std::copy(merged.begin(), merged.end(), keys_out.begin() + i * keys);
+    const auto size = static_cast<int64_t>(merged.size());
+    counts_out[i] = size * kTileWaste > static_cast<int64_t>(most) * (kTileWaste + 1) ? -1 : size;
+  }
+  return rows;
+}
+
+int64_t tasks(const Problem& p) {
+  const int64_t rows = p.tile_rows;
+  return p.b * (p.hq / group(p)) * ((p.t + rows - 1) / rows);
+}
+
+// Rows tt0 .. tt0 + n - 1 of batch bb, query heads h0 .. h0 + group - 1 (one KV head's), as one tile of
+// vectors (row-major, heads within a row) over the union of the rows' visible keys (`union_keys`; one row:
+// its own list); each vector's
+// arithmetic is what it gets alone: its scores key by key, a key it does not see -infinity and p = 0
+// (terms of 0), its sums exact integers added in any grouping. Returns false, having written nothing,
+// where a row of several would meet an Inf or NaN value it does not see (0 times it is no 0): the rows then
+// run one at a time.
+bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t n_rows,
+                 const int32_t* union_keys = nullptr, size_t union_count = 0) {
+  const int64_t g = group(p), keys = p.c + p.t, kv = h0 / (p.hq / p.hkv), vectors = n_rows * g;
+  const auto mask_row = [&](int64_t r) {
+    return (bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * p.t + tt0 + r;
+  };
   thread_local std::vector<int64_t> num, den;
   thread_local std::vector<int32_t> part;
-  thread_local std::vector<float> score, prob, bias;
+  thread_local std::vector<float> score, prob, bias, largest, step;
+  thread_local std::vector<int> exponent;
   thread_local std::vector<const float*> rows;  // each visible key's row, then each value's (float32 cache)
   thread_local std::vector<const Half*> rows16;  // the same, float16 cache
   thread_local std::vector<float> wide;         // a block of float16 rows widened: kBlock keys, then values
   thread_local std::vector<const float*> wide_rows;
-  thread_local std::vector<uint8_t> live;
-  const int32_t* list = p.lists + row * keys;
-  const size_t count = p.counts[row];
-  const float* mask = p.mask + row * keys;
-  bias.resize(count);
-  for (size_t n = 0; n < count; ++n) bias[n] = mask[list[n]];
+  thread_local std::vector<uint8_t> bad_values;
+  thread_local std::vector<int64_t> live;
+  const int32_t* list = p.lists + mask_row(0) * keys;
+  size_t count = p.counts[mask_row(0)];
+  const float* range = p.key_range ? p.key_range + (bb * p.hkv + kv) * keys : nullptr;
+  if (union_keys) {  // the tile's keys
+    for (size_t n = 0; n < union_count; ++n)
+      if (std::isinf(range[union_keys[n]])) return false;
+    list = union_keys, count = union_count;
+  }
+  bias.resize(n_rows * count);
+  largest.assign(n_rows, 0.0f);
+  bad_values.assign(n_rows, 0);  // an Inf or NaN value the row sees: its output is NaN
+  for (int64_t r = 0; r < n_rows; ++r) {  // (locals, not the thread_locals: a store may alias anything, and
+    const float* mask = p.mask + mask_row(r) * keys;  // each access would look the thread's copy up again)
+    float* b = bias.data() + r * count;
+    for (size_t n = 0; n < count; ++n)
+      b[n] = n_rows == 1 || mask[list[n]] > kHidden ? mask[list[n]] : -std::numeric_limits<float>::infinity();
+    if (range) {
+      const int32_t* own = p.lists + mask_row(r) * keys;
+      const uint32_t own_count = p.counts[mask_row(r)];
+      float top = 0.0f;
+      for (uint32_t n = 0; n < own_count; ++n) top = std::max(top, range[own[n]]);
+      largest[r] = top, bad_values[r] = std::isinf(top);
+    }
+  }
   if (p.half()) {
     rows16.resize(2 * count);
     for (size_t n = 0; n < count; ++n)
@@ -816,27 +999,27 @@ void task(void* user, size_t index) {
     for (size_t n = 0; n < count; ++n) rows[n] = p.key(bb, kv, list[n]), rows[count + n] = p.value(bb, kv, list[n]);
   }
   const Visible v{rows.data(), rows.data() + count, bias.data(), count, count, p.d, p.scale};
-  float largest = 0.0f;
-  bool values_bad = false;  // an Inf or NaN value: the output is NaN
-  if (p.key_range) {
-    const float* range = p.key_range + (bb * p.hkv + kv) * keys;
-    for (size_t n = 0; n < count; ++n) largest = std::max(largest, range[list[n]]);
-    values_bad = std::isinf(largest);
-  } else if (p.half()) {
-    uint16_t top = 0;
-    for (size_t n = 0; n < count; ++n) top = std::max(top, half_magnitude(rows16[count + n], p.d));
-    values_bad = top >= 0x7c00;
-    largest = values_bad ? std::numeric_limits<float>::infinity() : half_to_float(top);
-  } else {
-    scan_values(v, &largest, &values_bad);
+  if (!range) {  // one row, scanning its own values
+    bool bad = false;
+    if (p.half()) {
+      uint16_t top = 0;
+      for (size_t n = 0; n < count; ++n) top = std::max(top, half_magnitude(rows16[count + n], p.d));
+      bad = top >= 0x7c00;
+      largest[0] = bad ? std::numeric_limits<float>::infinity() : half_to_float(top);
+    } else {
+      scan_values(v, &largest[0], &bad);
+    }
+    bad_values[0] = bad;
   }
-  // Keys n0.. of a block: their rows in place (float32), or widened into L1 first (float16: `values`
-  // picks the value rows), once for all the group's heads.
+  // Keys n0.. of a block: their rows in place (float32; prefetched ahead for one row: the rows a tile
+  // shares are a prefill chunk's, in order), or widened into L1 first (float16: `values` picks the
+  // value rows), once for all the tile's vectors.
   const auto block = [&](size_t n0, bool first, bool values = false) {
     const size_t len = std::min(kBlock, v.n - n0);
     if (!p.half() || !first)
       return p.half() ? Visible{wide_rows.data(), wide_rows.data() + kBlock, v.bias + n0, len, 0, v.d, v.scale}
-                      : Visible{v.key + n0, v.value + n0, v.bias + n0, len, first ? v.n - n0 : 0, v.d, v.scale};
+                      : Visible{v.key + n0, v.value + n0, v.bias + n0, len, first && n_rows == 1 ? v.n - n0 : 0, v.d,
+                                v.scale};
     const Half* const* from = rows16.data() + (values ? count : 0);
     float* to = wide.data() + (values ? kBlock * p.d : 0);
     for (size_t r = 0; r < len; ++r) {
@@ -845,45 +1028,92 @@ void task(void* user, size_t index) {
     }
     return Visible{wide_rows.data(), wide_rows.data() + kBlock, v.bias + n0, len, 0, v.d, v.scale};
   };
-  const auto output = [&](int64_t h) {
+  const auto query = [&](int64_t vec) { return p.q + ((bb * p.hq + h0 + vec % g) * p.t + tt0 + vec / g) * p.d; };
+  const auto output = [&](int64_t vec) {
+    const int64_t h = h0 + vec % g, tt = tt0 + vec / g;
     return p.y + (p.tokens_major ? (bb * p.t + tt) * p.hq + h : (bb * p.hq + h) * p.t + tt) * p.d;
   };
-  score.resize(g * v.n);
-  prob.resize(g * v.n);
-  for (size_t n0 = 0; n0 < v.n; n0 += kBlock)
-    for (int64_t i = 0; i < g; ++i)
-      scores(block(n0, i == 0), p.q + ((bb * p.hq + h0 + i) * p.t + tt) * p.d, score.data() + i * v.n + n0);
-  live.assign(g, 0);
-  for (int64_t i = 0; i < g; ++i) {
-    bool bad = values_bad;
-    const float top = largest_score(score.data() + i * v.n, v.n, &bad);
-    bad = bad || (v.n != 0 && !std::isfinite(top));
-    if (v.n == 0 || largest == 0.0f || bad) {
-      std::fill(output(h0 + i), output(h0 + i) + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+  const float *qs[kTile], *bs[kTile];
+  float* ss[kTile];
+  score.resize(vectors * count);
+  prob.resize(vectors * count);
+  for (size_t n0 = 0; n0 < v.n; n0 += kBlock) {
+    if (tiled(p)) {
+      for (int64_t a = 0; a < vectors; a += kTile) {
+        const int q = static_cast<int>(std::min<int64_t>(kTile, vectors - a));
+        for (int j = 0; j < q; ++j)
+          qs[j] = query(a + j), bs[j] = bias.data() + (a + j) / g * count + n0, ss[j] = score.data() + (a + j) * count + n0;
+        tile_scores(block(n0, a == 0), q, qs, bs, ss);
+      }
+    } else {
+      for (int64_t i = 0; i < vectors; ++i) scores(block(n0, i == 0), query(i), score.data() + i * count + n0);
+    }
+  }
+  live.clear();
+  for (int64_t i = 0; i < vectors; ++i) {
+    const int64_t r = i / g;
+    bool bad = bad_values[r];
+    const float top = largest_score(score.data() + i * count, count, &bad);
+    const bool none = p.counts[mask_row(r)] == 0;
+    bad = bad || (!none && !std::isfinite(top));
+    if (none || largest[r] == 0.0f || bad) {
+      std::fill(output(i), output(i) + p.d, bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
       continue;
     }
-    live[i] = 1;
-    probabilities(score.data() + i * v.n, v.n, top, prob.data() + i * v.n);
+    live.push_back(i);
+    probabilities(score.data() + i * count, count, top, prob.data() + i * count);
   }
-  if (std::find(live.begin(), live.end(), 1) == live.end()) return;
-  int e = 0;
-  std::frexp(largest, &e);  // every |value| < 2^e
-  e = std::max(e, kMinExponent);
-  const float step = std::ldexp(1.0f, kValueFraction - e);
-  num.assign(g * p.d, 0);
-  part.assign(g * p.d, 0);
-  den.assign(g, 0);
+  if (live.empty()) return true;
+  exponent.resize(n_rows);
+  step.resize(n_rows);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    int e = 0;
+    std::frexp(largest[r], &e);  // every |value| < 2^e
+    exponent[r] = std::max(e, kMinExponent);
+    step[r] = std::ldexp(1.0f, kValueFraction - exponent[r]);
+  }
+  num.assign(vectors * p.d, 0);
+  den.assign(vectors, 0);
+  if (!tiled(p)) part.assign(vectors * p.d, 0);
+  const float* ps[kTile];
+  float fs[kTile];
+  int64_t *ns[kTile], *ds[kTile];
   for (size_t n0 = 0; n0 < v.n; n0 += kBlock) {
-    bool first = true;
-    for (int64_t i = 0; i < g; ++i) {
-      if (!live[i]) continue;
-      sums(block(n0, first, true), prob.data() + i * v.n + n0, step, part.data() + i * p.d, num.data() + i * p.d,
-           &den[i]);
-      first = false;
+    if (tiled(p)) {
+      for (size_t a = 0; a < live.size(); a += kTile) {
+        const int q = static_cast<int>(std::min<size_t>(kTile, live.size() - a));
+        for (int j = 0; j < q; ++j) {
+          const int64_t i = live[a + j];
+          ps[j] = prob.data() + i * count + n0, fs[j] = step[i / g], ns[j] = num.data() + i * p.d, ds[j] = &den[i];
+        }
+        tile_sums(block(n0, a == 0, true), q, ps, fs, ns, ds);
+      }
+    } else {
+      for (size_t a = 0; a < live.size(); ++a) {
+        const int64_t i = live[a];
+        sums(block(n0, a == 0, true), prob.data() + i * count + n0, step[i / g], part.data() + i * p.d,
+             num.data() + i * p.d, &den[i]);
+      }
     }
   }
-  for (int64_t i = 0; i < g; ++i)
-    if (live[i]) normalise(num.data() + i * p.d, den[i], e - kValueFraction + kFraction, output(h0 + i), p.d, v.n);
+  for (int64_t i : live)
+    normalise(num.data() + i * p.d, den[i], exponent[i / g] - kValueFraction + kFraction, output(i), p.d,
+              p.counts[mask_row(i / g)]);
+  return true;
+}
+
+// One task: (batch, group of query heads, tile of rows) -> their output vectors.
+void task(void* user, size_t index) {
+  const Problem& p = *static_cast<const Problem*>(user);
+  const int64_t rows = p.tile_rows, tiles = (p.t + rows - 1) / rows, groups = p.hq / group(p);
+  const int64_t tt0 = static_cast<int64_t>(index) % tiles * rows;
+  const int64_t h0 = static_cast<int64_t>(index) / tiles % groups * group(p);
+  const int64_t bb = static_cast<int64_t>(index) / (tiles * groups), n = std::min(rows, p.t - tt0);
+  const int64_t tile = (bb * p.mask_heads + (p.mask_heads == 1 ? 0 : h0)) * tiles + tt0 / rows;
+  if (n > 1 && p.tile_counts[tile] >= 0 &&
+      attend_tile(p, bb, h0, tt0, n, p.tile_keys + tile * (p.c + p.t), static_cast<size_t>(p.tile_counts[tile])))
+    return;
+  for (int64_t r = 0; r < n; ++r) attend_tile(p, bb, h0, tt0 + r, 1);
 }
 
 struct Kernel {
@@ -933,6 +1163,8 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
   thread_local std::vector<uint32_t> counts;
   thread_local std::vector<uint8_t> seen;
   thread_local std::vector<float> ranges;
+  thread_local std::vector<int32_t> tile_keys;
+  thread_local std::vector<int64_t> tile_counts;
   thread_local std::unique_ptr<float[]> widened;  // uninitialised: only the rows some row sees are written
   thread_local size_t widened_size = 0;
   const int64_t keys = c + t, rows = p.mask_heads * t;
@@ -970,9 +1202,11 @@ OrtStatus* attend(OrtKernelContext* ctx, const Kernel& kernel, const float* cons
       if (OrtStatus* s = g_api.parallel_for(ctx, range_task, static_cast<size_t>(b * hkv), &work)) return s;
       p = wide;
       p.key_range = ranges.data();
+      p.tile_rows = tile_unions(p, tile_keys, tile_counts);
+      p.tile_keys = tile_keys.data(), p.tile_counts = tile_counts.data();
     }
   }
-  return g_api.parallel_for(ctx, task, static_cast<size_t>(b * (hq / group(p)) * t), &p);
+  return g_api.parallel_for(ctx, task, static_cast<size_t>(tasks(p)), &p);
 }
 
 OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {

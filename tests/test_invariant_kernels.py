@@ -149,6 +149,37 @@ def test_a_row_of_a_many_row_call_gets_the_bits_it_gets_alone(d):
     assert not np.isnan(np.delete(together, [5, 6], axis=2)).any()
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (2, 2, 64), (4, 2, 64), (3, 1, 64)])
+def test_rows_of_a_prefill_chunk_tiled_get_the_bits_they_get_alone(hq, hkv, d):
+    """A prefill chunk (each row sees the past and the chunk up to itself): on AVX-512 rows sharing keys go
+    through the tile kernels together (three rows to a tile where a KV head has one query head), over the
+    union of their keys, a key a row does not see scored -infinity whatever it holds. Each row's output bit
+    for bit what it gets alone, when the chunk's row 4 holds an Inf key (rows 4 on see it: NaN; row 3, in a
+    tile with rows 4 and 5, finite), and then an Inf value too (row 3's tile then runs row by row, as a
+    value it does not see times p = 0 is no 0). On any CPU, the float64 reference within float32 rounding."""
+    rng = np.random.default_rng(11)
+    t, c = 13, 46  # row 3's tile: 49 keys, the Inf key 48th (in a group of 8 keys, not the scalar tail)
+    q, pk, pv, nk, nv, mask = attention_inputs(rng, hq=hq, hkv=hkv, t=t, c=c, d=d)
+    mask[...] = MIN
+    mask[0, 0, :, 3:c] = 0.0  # the past, less 3 slots no row sees (filled with the largest values)
+    mask[0, 0, :, c:] = np.where(np.tril(np.ones((t, t), bool)), 0.0, MIN)
+    pv[0, :, :3] *= 1000.0
+    finite = run_attention([q, pk, pv, nk, nv, mask])
+    np.testing.assert_allclose(finite, reference(q, pk, pv, nk, nv, mask, 0.25), rtol=0, atol=2e-6)
+    group = hq // hkv
+    q[0, :group, :, 2] = np.abs(q[0, :group, :, 2]) + 0.5  # every score of the Inf key +Inf (+Inf - Inf: NaN)
+    nk[0, 0, 4, 2] = np.inf
+    for inf_value in (False, True):
+        nv[0, 0, 4, 1] = np.inf if inf_value else nv[0, 0, 4, 1]
+        together = run_attention([q, pk, pv, nk, nv, mask])
+        assert np.isnan(together[0, :group, 4:]).all() and not np.isnan(together[0, :, :4]).any()
+        np.testing.assert_array_equal(together[0, group:], finite[0, group:])  # the other KV heads' rows
+        for r in range(t):  # row r alone, the chunk's earlier rows moved into the cache (a decode step)
+            past = [np.concatenate([x, y[:, :, :r]], 2) for x, y in ((pk, nk), (pv, nv))]
+            alone = run_attention([q[:, :, [r]], *past, nk[:, :, [r]], nv[:, :, [r]], mask[:, :, [r], : c + r + 1]])
+            np.testing.assert_array_equal(alone[:, :, 0], together[:, :, r])
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_rows_of_different_sequences_get_the_bits_they_get_alone(d):
     """A server's step: 12 rows, each seeing its own 40-70 cache slots (no key shared, so each row scans

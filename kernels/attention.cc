@@ -22,6 +22,13 @@
 // needs the build's -ffp-contract=off: a fused multiply-add where the source has a product and a sum
 // would round once where the scalar path rounds twice.
 //
+// Work: one task per (batch, KV head's query heads or one head, rows). On AVX-512 (head sizes a multiple of
+// 64) a task's query vectors, up to kTile, run through tile kernels together: each key and value piece
+// loaded once for all of them. The vectors are a KV head's query heads, and in a call whose rows see
+// nearly the same keys (a prefill chunk) three rows of a one-head group, over the union of their keys
+// (found once per call), a key a row does not see scored -infinity, so p = 0 and terms of 0. Each vector's
+// arithmetic is the one it gets alone.
+//
 // ai.mxspd::AttentionHalfKV and RotaryAttentionHalfKV: the same ops over a float16 KV cache (past_key,
 // past_value float16): the call's new keys and values are rounded to float16 first (to nearest, ties to
 // even: F16C's conversion and its scalar twin here) and written as outputs 1 and 2 (float16), which the

@@ -14,7 +14,7 @@
 // integer and the integers are added, so the order of keys cannot matter. The same set of visible keys
 // therefore gives the same bits, wherever they are stored. Denominator terms are p * 2^40 (int64);
 // value terms p * v as one float32 product rounded to 2^-26 of the row's largest |v| (int32 lanes, 8 or
-// 16 per instruction, moved into int64 every 16 keys): float32's own precision, at a third of the
+// 16 per instruction, moved into int64 before they could overflow): float32's own precision, at a third of the
 // instructions of int64 terms. A score's dot product runs in 16 lanes (lane l sums elements
 // i = l mod 16 by fma; then lanes l and l + 8 are added and the 8 sums reduced as lane_sum), one
 // 512-bit register's order, kept by AVX2 in two registers.
@@ -65,11 +65,12 @@ constexpr int kValueFraction = 26;          // value terms: |p * v| * 2^(26 - e)
 constexpr int kMinExponent = -100;          // e at least this (tinier values): 2^(26 - e) stays a float
 constexpr double kDenominatorScale = 1099511627776.0;  // 2^40 (kFraction)
 constexpr size_t kFlush = 16;               // keys per int32 partial sum: 16 * 2^26 = 2^30 < 2^31
-// ... or, where the probabilities are summed as they go (the tile kernels), while they add up to at most
-// kFlushWeight: the terms' magnitudes then add up to below 2^26 * (kFlushWeight + 1) (their roundings
-// included, over at most kFlushKeys keys) < 2^31. Attention is mostly a few keys' weight: it flushes rarely.
+// ... or, where the probabilities are summed as they go (the tile kernels), while that float sum stays at
+// most kFlushWeight, over at most kFlushKeys keys: the true sum is then below 30 + 3 * 2^16 * 2^-20 (kTile
+// float additions a key, each below 32 off by at most 2^-20), so the terms' magnitudes add up to below
+// 2^26 * 30.2 + 2^16 * 0.5 (their roundings) < 2^31. Attention is mostly a few keys' weight: it moves them rarely.
 constexpr float kFlushWeight = 30.0f;
-constexpr size_t kFlushKeys = size_t{1} << 24;
+constexpr size_t kFlushKeys = size_t{1} << 16;
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
 constexpr int64_t kMagicBits = 0x4338000000000000;
 
@@ -949,9 +950,8 @@ int64_t tasks(const Problem& p) {
 
 // Rows tt0 .. tt0 + n - 1 of batch bb, query heads h0 .. h0 + group - 1 (one KV head's), as one tile of
 // vectors (row-major, heads within a row) over the union of the rows' visible keys (`union_keys`; one row:
-// its own list); each vector's
-// arithmetic is what it gets alone: its scores key by key, a key it does not see -infinity and p = 0
-// (terms of 0), its sums exact integers added in any grouping. Returns false, having written nothing,
+// its own list); each vector's arithmetic is what it gets alone: its scores key by key, a key it does not
+// see -infinity and p = 0 (terms of 0), its sums exact integers added in any grouping. Returns false, having written nothing,
 // where a row of several would meet an Inf or NaN value it does not see (0 times it is no 0): the rows then
 // run one at a time.
 bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t n_rows,

@@ -263,6 +263,8 @@ struct Visible {
   size_t ahead;  // keys from here on that may be prefetched (0: the rows are in cache)
   int64_t d;
   float scale;
+  const Half* const* key16 = nullptr;  // the tile kernels: a float16 cache's rows, widened in registers
+  const Half* const* value16 = nullptr;
 };
 
 void scan_values_scalar(const Visible& v, float* largest, bool* bad) {
@@ -570,13 +572,24 @@ __attribute__((target(MXSPD_AVX512))) inline __m256 reduce8x16(const __m512 (&ac
 // chain (dot8_avx512's order), reduced by reduce8x16; then * scale + bias. A bias of -infinity marks a key
 // the vector does not see (a row of a tile whose other rows see it): its score is -infinity, whatever the
 // key holds.
-template <int Q>
-__attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, const float* const* q,
-                                                              const float* const* bias, float* const* score) {
+// A row's 16 elements from i on: float32, or float16 widened (exactly: the float32 a widened copy holds).
+__attribute__((target(MXSPD_AVX512))) inline __m512 load16(const float* row, int64_t i) {
+  return _mm512_loadu_ps(row + i);
+}
+__attribute__((target(MXSPD_AVX512))) inline __m512 load16(const Half* row, int64_t i) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
+}
+inline void prefetch_any(const float* row, int64_t d) { prefetch_row(row, d); }
+inline void prefetch_any(const Half* row, int64_t d) { prefetch_half_row(row, d); }
+
+template <int Q, typename T>
+__attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, const T* const* key,
+                                                              const float* const* q, const float* const* bias,
+                                                              float* const* score) {
   const __m256 scale = _mm256_set1_ps(v.scale), hidden = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   size_t n = 0;
   for (; n + 8 <= v.n; n += 8) {
-    for (size_t k = n + kAhead; k < std::min(n + kAhead + 8, v.ahead); ++k) prefetch_row(v.key[k], v.d);
+    for (size_t k = n + kAhead; k < std::min(n + kAhead + 8, v.ahead); ++k) prefetch_any(key[k], v.d);
     __m512 acc[Q][8];
     for (auto& a : acc)
       for (auto& x : a) x = _mm512_setzero_ps();
@@ -584,7 +597,7 @@ __attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, 
       __m512 x[Q];
       for (int j = 0; j < Q; ++j) x[j] = _mm512_loadu_ps(q[j] + i);
       for (int k = 0; k < 8; ++k) {
-        const __m512 y = _mm512_loadu_ps(v.key[n + k] + i);
+        const __m512 y = load16(key[n + k], i);
         for (int j = 0; j < Q; ++j) acc[j][k] = _mm512_fmadd_ps(x[j], y, acc[j][k]);
       }
     }
@@ -594,11 +607,13 @@ __attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, 
       _mm256_storeu_ps(score[j] + n, _mm256_mask_mov_ps(s, _mm256_cmp_ps_mask(b, hidden, _CMP_EQ_OQ), hidden));
     }
   }
-  for (; n < v.n; ++n)
-    for (int j = 0; j < Q; ++j)
-      score[j][n] = bias[j][n] == -std::numeric_limits<float>::infinity()
-                        ? bias[j][n]
-                        : dot_avx2(q[j], v.key[n], v.d) * v.scale + bias[j][n];
+  for (; n < v.n; ++n)  // the last keys one at a time, each in the same 16 lanes and reduce16
+    for (int j = 0; j < Q; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < v.d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q[j] + i), load16(key[n], i), acc);
+      const float dot = reduce16(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+      score[j][n] = bias[j][n] == -std::numeric_limits<float>::infinity() ? bias[j][n] : dot * v.scale + bias[j][n];
+    }
 }
 
 // A vector's denominator terms, fixed(p * 2^40), 8 at a time (lane by lane; integer sums in any order).
@@ -618,9 +633,10 @@ __attribute__((target(MXSPD_AVX512))) int64_t denominator_avx512(const float* pr
 // Q vectors' weighted sums over the same value rows, 16 W columns at a time (head sizes a multiple of
 // that): the int32 partial sums in registers across keys (W a vector), each value piece loaded once for all
 // Q (a key a vector does not see has p = 0: its terms are 0).
-template <int Q, int W>
-__attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, const float* const* prob,
-                                                            const float* step, int64_t* const* num, int64_t* const* den) {
+template <int Q, int W, typename T>
+__attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, const T* const* value,
+                                                            const float* const* prob, const float* step,
+                                                            int64_t* const* num, int64_t* const* den) {
   for (int j = 0; j < Q; ++j) *den[j] += denominator_avx512(prob[j], v.n);
   for (int64_t c = 0; c < v.d; c += 16 * W) {
     __m512i acc[Q][W];
@@ -629,12 +645,12 @@ __attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, co
     float weight = 0.0f;  // the probabilities of the keys since the last flush, every vector's together
     size_t since = 0;
     for (size_t n = 0; n < v.n; ++n) {
-      const float* x = v.value[n] + c;
-      if (c == 0 && n + kAhead < v.ahead) prefetch_row(v.value[n + kAhead], v.d);
+      const T* x = value[n] + c;
+      if (c == 0 && n + kAhead < v.ahead) prefetch_any(value[n + kAhead], v.d);
       __m512 f[Q];
       for (int j = 0; j < Q; ++j) f[j] = _mm512_set1_ps(prob[j][n] * step[j]), weight += prob[j][n];
       for (int i = 0; i < W; ++i) {
-        const __m512 y = _mm512_loadu_ps(x + 16 * i);
+        const __m512 y = load16(x, 16 * i);
         for (int j = 0; j < Q; ++j)
           acc[j][i] = _mm512_add_epi32(acc[j][i], _mm512_cvtps_epi32(_mm512_mul_ps(y, f[j])));
       }
@@ -660,26 +676,43 @@ __attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, co
 }
 #endif
 
-// q vectors (1 to kTile) through the tile kernels (the AVX-512 path's: see tiled()).
+// q vectors (1 to kTile) through the tile kernels (the AVX-512 path's: see tiled()), over v's float32 rows
+// or its float16 ones.
+#ifdef MXSPD_X86
+template <typename T>
+void tile_scores_rows(const Visible& v, const T* const* key, int q, const float* const* query,
+                      const float* const* bias, float* const* score) {
+  switch (q) {
+    case 1: return tile_scores_avx512<1>(v, key, query, bias, score);
+    case 2: return tile_scores_avx512<2>(v, key, query, bias, score);
+    default: return tile_scores_avx512<3>(v, key, query, bias, score);
+  }
+}
+
+template <typename T>
+void tile_sums_rows(const Visible& v, const T* const* value, int q, const float* const* prob, const float* step,
+                    int64_t* const* num, int64_t* const* den) {
+  switch (q) {  // one vector: 128 columns a pass where they divide the head (8 registers, not 2 passes of 4)
+    case 1: return v.d % 128 ? tile_sums_avx512<1, 4>(v, value, prob, step, num, den)
+                             : tile_sums_avx512<1, 8>(v, value, prob, step, num, den);
+    case 2: return tile_sums_avx512<2, 4>(v, value, prob, step, num, den);
+    default: return tile_sums_avx512<3, 4>(v, value, prob, step, num, den);
+  }
+}
+#endif
+
 void tile_scores(const Visible& v, int q, const float* const* query, const float* const* bias, float* const* score) {
 #ifdef MXSPD_X86
-  switch (q) {
-    case 1: return tile_scores_avx512<1>(v, query, bias, score);
-    case 2: return tile_scores_avx512<2>(v, query, bias, score);
-    default: return tile_scores_avx512<3>(v, query, bias, score);
-  }
+  if (v.key16) return tile_scores_rows(v, v.key16, q, query, bias, score);
+  tile_scores_rows(v, v.key, q, query, bias, score);
 #endif
 }
 
 void tile_sums(const Visible& v, int q, const float* const* prob, const float* step, int64_t* const* num,
                int64_t* const* den) {
 #ifdef MXSPD_X86
-  switch (q) {  // one vector: 128 columns a pass where they divide the head (8 registers, not 2 passes of 4)
-    case 1: return v.d % 128 ? tile_sums_avx512<1, 4>(v, prob, step, num, den)
-                             : tile_sums_avx512<1, 8>(v, prob, step, num, den);
-    case 2: return tile_sums_avx512<2, 4>(v, prob, step, num, den);
-    default: return tile_sums_avx512<3, 4>(v, prob, step, num, den);
-  }
+  if (v.value16) return tile_sums_rows(v, v.value16, q, prob, step, num, den);
+  tile_sums_rows(v, v.value, q, prob, step, num, den);
 #endif
 }
 
@@ -1019,10 +1052,14 @@ bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t 
     bad_values[0] = bad;
   }
   // Keys n0.. of a block: their rows in place (float32; prefetched ahead for one row: the rows a tile
-  // shares are a prefill chunk's, in order), or widened into L1 first (float16: `values` picks the
-  // value rows), once for all the tile's vectors.
+  // shares are a prefill chunk's, in order; float16 for the tile kernels, which widen them in registers),
+  // or widened into L1 first (float16 on the other paths: `values` picks the value rows), once for all
+  // the tile's vectors.
   const auto block = [&](size_t n0, bool first, bool values = false) {
     const size_t len = std::min(kBlock, v.n - n0);
+    if (p.half() && tiled(p))
+      return Visible{nullptr, nullptr, v.bias + n0, len, first ? v.n - n0 : 0, v.d, v.scale, rows16.data() + n0,
+                     rows16.data() + count + n0};
     if (!p.half() || !first)
       return p.half() ? Visible{wide_rows.data(), wide_rows.data() + kBlock, v.bias + n0, len, 0, v.d, v.scale}
                       : Visible{v.key + n0, v.value + n0, v.bias + n0, len, first && n_rows == 1 ? v.n - n0 : 0, v.d,

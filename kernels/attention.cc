@@ -34,7 +34,8 @@
 // even: F16C's conversion and its scalar twin here) and written as outputs 1 and 2 (float16), which the
 // runtime stores, and attention reads those rounded values; so a key attended as a new row and later as
 // a cache slot is the same number, and every row's output is the float32 kernel's on the rounded keys
-// and values (each row of 16-bit K and V is widened to float32 in L1, a block of keys at a time).
+// and values (each row of 16-bit K and V widened to float32: 16 elements in a register by the tile kernels,
+// else in L1 a block of keys at a time; rows several query rows share, once per call).
 //
 // ai.mxspd::RotaryAttention: RotaryQKV (kernels/rotary.cc) and Attention in one op, where the packed
 // q/k/v projection feeds nothing else: inputs qkv [B, T, (Hq + 2 Hkv) * D], cos and sin [B or 1, 1, T,

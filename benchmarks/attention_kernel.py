@@ -1,15 +1,15 @@
 """ai.mxspd::Attention alone: nanoseconds per (query row, head, visible key), side by side for two builds.
 
     python -m benchmarks.attention_kernel [--baseline OTHER.so] [--repeats 5] [--threads 2]
-                                          [--shape smollm2|llama2-7b] [--chunk 128 --past 384] [--half]
+                                          [--shape smollm2|llama2-7b|llama3-1b] [--chunk 128 --past 384] [--half]
 
 One Attention node at SmolLM2-135M's shape (9 query heads, 3 KV heads, head size 64; or Llama-2-7B's, 32
-heads of 128) over a 2,048-slot cache: a decode row (T = 1) and a 9-row call of a server's step (T = 9),
-each row seeing `keys` random slots plus itself; and with `--chunk` a prefill chunk (T = chunk rows, each
-seeing the first `past` slots and the chunk's rows up to itself). Each library (the installed one, and
-`--baseline`, for example an older build of kernels/*.cc) gets its own session; calls alternate between
-them. Prints the median ns per (row, head, visible key) and the ratio baseline / installed. `--half`: the op
-over a float16 cache (AttentionHalfKV, the default recipe's).
+heads of 128; or Llama-3.2-1B's, 32 query heads of 64 over 8 KV heads) over a 2,048-slot cache: a decode row
+(T = 1) and a 9-row call of a server's step (T = 9), each row seeing `keys` random slots plus itself; and
+with `--chunk` a prefill chunk (T = chunk rows, each seeing the first `past` slots and the chunk's rows up to
+itself). Each library (the installed one, and `--baseline`, for example an older build of kernels/*.cc) gets
+its own session; calls alternate between them. Prints the median ns per (row, head, visible key) and the
+ratio baseline / installed. `--half`: the op over a float16 cache (AttentionHalfKV, the default recipe's).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from onnx import TensorProto, helper
 import kernels
 from common.targets import session_options, spin_within_calls
 
-SHAPES = {"smollm2": (9, 3, 64), "llama2-7b": (32, 32, 128)}  # query heads, KV heads, head size
+# query heads, KV heads, head size
+SHAPES = {"smollm2": (9, 3, 64), "llama2-7b": (32, 32, 128), "llama3-1b": (32, 8, 64)}
 SLOTS = 2048
 NAMES = ["query", "past_key", "past_value", "new_key", "new_value", "mask"]
 

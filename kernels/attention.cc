@@ -67,9 +67,9 @@ constexpr int kMinExponent = -100;          // e at least this (tinier values): 
 constexpr double kDenominatorScale = 1099511627776.0;  // 2^40 (kFraction)
 constexpr size_t kFlush = 16;               // keys per int32 partial sum: 16 * 2^26 = 2^30 < 2^31
 // ... or, where the probabilities are summed as they go (the tile kernels), while that float sum stays at
-// most kFlushWeight, over at most kFlushKeys keys: the true sum is then below 30 + 3 * 2^16 * 2^-20 (kTile
-// float additions a key, each below 32 off by at most 2^-20), so the terms' magnitudes add up to below
-// 2^26 * 30.2 + 2^16 * 0.5 (their roundings) < 2^31. Attention is mostly a few keys' weight: it moves them rarely.
+// most kFlushWeight, over at most kFlushKeys keys: the true sum is then below 30 + 4 * 2^16 * 2^-20 (4 float
+// additions a key at most, one a vector, each below 32 off by at most 2^-20), so the terms' magnitudes add
+// up to below 2^26 * 30.3 + 2^16 * 0.5 (their roundings) < 2^31. Attention is mostly a few keys' weight: it moves them rarely.
 constexpr float kFlushWeight = 30.0f;
 constexpr size_t kFlushKeys = size_t{1} << 16;
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
@@ -291,6 +291,13 @@ void sums_scalar(const Visible& v, const float* prob, float scale, int32_t* part
 // that share keys) work through them together on AVX-512: each key row's 16-float pieces loaded once for
 // all of them, each vector keeping its own arithmetic, the bits it gets alone.
 constexpr int kTile = 3;
+constexpr int kSumTile = 4;  // the weighted sums, 4 registers a vector: 4 vectors (a KV head's 4 query heads)
+
+// Tiles of at most `most` for `vectors`, as even as they go (4 vectors: 2 and 2, not 3 and 1).
+int64_t balanced(int64_t vectors, int64_t most) {
+  const int64_t tiles = (vectors + most - 1) / most;
+  return (vectors + tiles - 1) / tiles;
+}
 constexpr int64_t kTileWaste = 8;  // rows share a tile while their union adds at most 1/8 to a row's keys
 
 // Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
@@ -697,7 +704,8 @@ void tile_sums_rows(const Visible& v, const T* const* value, int q, const float*
     case 1: return v.d % 128 ? tile_sums_avx512<1, 4>(v, value, prob, step, num, den)
                              : tile_sums_avx512<1, 8>(v, value, prob, step, num, den);
     case 2: return tile_sums_avx512<2, 4>(v, value, prob, step, num, den);
-    default: return tile_sums_avx512<3, 4>(v, value, prob, step, num, den);
+    case 3: return tile_sums_avx512<3, 4>(v, value, prob, step, num, den);
+    default: return tile_sums_avx512<4, 4>(v, value, prob, step, num, den);
   }
 }
 #endif
@@ -1084,8 +1092,9 @@ bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t 
   prob.resize(vectors * count);
   for (size_t n0 = 0; n0 < v.n; n0 += kBlock) {
     if (tiled(p)) {
-      for (int64_t a = 0; a < vectors; a += kTile) {
-        const int q = static_cast<int>(std::min<int64_t>(kTile, vectors - a));
+      const int64_t each = balanced(vectors, kTile);
+      for (int64_t a = 0; a < vectors; a += each) {
+        const int q = static_cast<int>(std::min<int64_t>(each, vectors - a));
         for (int j = 0; j < q; ++j)
           qs[j] = query(a + j), bs[j] = bias.data() + (a + j) / g * count + n0, ss[j] = score.data() + (a + j) * count + n0;
         tile_scores(block(n0, a == 0), q, qs, bs, ss);
@@ -1120,13 +1129,14 @@ bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t 
   num.assign(vectors * p.d, 0);
   den.assign(vectors, 0);
   if (!tiled(p)) part.assign(vectors * p.d, 0);
-  const float* ps[kTile];
-  float fs[kTile];
-  int64_t *ns[kTile], *ds[kTile];
+  const float* ps[kSumTile];
+  float fs[kSumTile];
+  int64_t *ns[kSumTile], *ds[kSumTile];
   for (size_t n0 = 0; n0 < v.n; n0 += kBlock) {
     if (tiled(p)) {
-      for (size_t a = 0; a < live.size(); a += kTile) {
-        const int q = static_cast<int>(std::min<size_t>(kTile, live.size() - a));
+      const auto each = static_cast<size_t>(balanced(static_cast<int64_t>(live.size()), kSumTile));
+      for (size_t a = 0; a < live.size(); a += each) {
+        const int q = static_cast<int>(std::min<size_t>(each, live.size() - a));
         for (int j = 0; j < q; ++j) {
           const int64_t i = live[a + j];
           ps[j] = prob.data() + i * count + n0, fs[j] = step[i / g], ns[j] = num.data() + i * p.d, ds[j] = &den[i];

@@ -149,7 +149,7 @@ def test_a_row_of_a_many_row_call_gets_the_bits_it_gets_alone(d):
     assert not np.isnan(np.delete(together, [5, 6], axis=2)).any()
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (2, 2, 64), (4, 2, 64), (3, 1, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (2, 2, 64), (4, 2, 64), (3, 1, 64), (8, 2, 64)])
 def test_rows_of_a_prefill_chunk_tiled_get_the_bits_they_get_alone(hq, hkv, d):
     """A prefill chunk (each row sees the past and the chunk up to itself): on AVX-512 rows sharing keys go
     through the tile kernels together (three rows to a tile where a KV head has one query head), over the

@@ -51,6 +51,7 @@ class Forest:
         self.cache = PrefixCache(runner.context) if prefix_cache else None
         self._writes = runner.writes  # the runner's cache as this forest last left it
         self._tri = np.tri(largest, dtype=bool)  # a chain's rows see their predecessors
+        self._low = 0  # every slot below it is taken: the search for free ones starts there
         self._zero = np.zeros(1, np.int64)
 
     def _check_writer(self) -> None:
@@ -61,6 +62,7 @@ class Forest:
                 raise RuntimeError("the KV cache changed under live branches: one runner, one writer at a time")
             if self.cache is not None:
                 self.cache = PrefixCache(self.runner.context)
+                self._low = 0
             self._writes = self.runner.writes
 
     def root(self, prompt: np.ndarray | None = None) -> tuple[Branch, np.ndarray | None]:
@@ -99,6 +101,7 @@ class Forest:
 
     def release(self, branch: Branch) -> None:
         self.live.remove(branch)
+        self._low = 0
 
     def keep(self, branch: Branch, tokens: list[int]) -> None:
         """Release a finished branch into the prefix cache; `tokens` is its sequence (tokens past what
@@ -214,16 +217,29 @@ class Forest:
         if not branch.view[slots].all():
             raise ValueError("trim: the branch does not hold every one of these slots")
         branch.view[slots] = False
+        self._low = min(self._low, int(slots.min(initial=self._low)))
         gone = set(slots.tolist())
         branch.order = [s for s in branch.order if s not in gone]
 
     def _allocate(self, n: int) -> np.ndarray:
+        """The n lowest free slots. A few tokens of a few branches (a decode step, a round) try the slots from
+        `_low` one by one first: a step then reads a few entries, not every branch's whole view."""
+        held = self.cache.held if self.cache is not None else None
+        if n * len(self.live) <= 16:
+            near: list[int] = []
+            for s in range(self._low, min(self._low + 2 * n + 8, self.runner.context)):
+                if not (held is not None and held[s] or any(b.view[s] for b in self.live)):
+                    near.append(s)
+                    if len(near) == n:
+                        self._low = s + 1
+                        return np.array(near, np.int64)
         pinned = self.pinned()
-        free = np.flatnonzero(~(pinned | self.cache.held) if self.cache is not None else ~pinned)
+        free = np.flatnonzero(~(pinned | held) if held is not None else ~pinned)
         if len(free) < n and self.cache is not None:  # give cached prefixes back, least recently used first
             self.cache.evict(n, pinned)
             free = np.flatnonzero(~(pinned | self.cache.held))
         if len(free) < n:
             raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "
                                 f"{self.runner.context} are free")
+        self._low = int(free[n - 1]) + 1
         return free[:n]

@@ -73,8 +73,9 @@ class HostPlacement(Placement):
 
     def store(self, g: HostGraph, rows: np.ndarray, slots: np.ndarray) -> None:
         m = len(rows)
-        chain = m == 1 or m > 1 and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all()
-        if chain:  # contiguous on both sides: one slice copy
+        if m == 1:
+            self.cache_stack[..., slots[0], :] = g.new_kv[..., rows[0], :]
+        elif m and (np.diff(rows) == 1).all() and (np.diff(slots) == 1).all():  # contiguous: one slice copy
             self.cache_stack[..., slots[0] : slots[0] + m, :] = g.new_kv[..., rows[0] : rows[0] + m, :]
         else:
             self.cache_stack[..., slots, :] = g.new_kv[..., rows, :]

@@ -164,15 +164,16 @@ class ModelRunner:
         last_row = g.logit_rows < g.tokens
         first = g.tokens - n if last_row else 0  # the call's rows: first .. first + n - 1
         rows = slice(first, first + n)
-        g.input_ids[...] = 0
-        g.input_ids[0, rows] = tokens
-        g.position_ids[...] = 0
-        g.position_ids[0, rows] = positions
         g.mask[...] = False
+        if n < g.tokens:  # padding rows: token 0 at position 0, each seeing itself
+            g.input_ids[...] = 0
+            g.position_ids[...] = 0
+            pad = np.arange(first) if first else np.arange(n, g.tokens)
+            g.mask[0, pad, c + pad] = True
+        g.input_ids[0, rows] = tokens
+        g.position_ids[0, rows] = positions
         g.mask[0, rows, :c] = cache_sees
         g.mask[0, rows, c + first : c + first + n] = sees
-        pad = np.arange(first) if first else np.arange(n, g.tokens)
-        g.mask[0, pad, c + pad] = True
         out = 1 if last_row else n  # rows of logits
         t0 = time.perf_counter()
         g.run()
@@ -211,11 +212,10 @@ class ModelRunner:
     def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Write the KV of these rows of the last call into these cache slots (one slot per row).
         Committed slots from the first one written on are no longer the committed sequence."""
-        m = len(rows)
-        if m:
-            self.length = min(self.length, int(slots.min()))
+        if len(slots):
+            self.length = min(self.length, int(slots[0] if len(slots) == 1 else slots.min()))
         self.writes += 1
-        self.place.store(self._last, self._first + np.asarray(rows, dtype=np.int64), slots)
+        self.place.store(self._last, rows + self._first if self._first else rows, slots)
 
     def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
         """Process a chain of tokens and commit all of them; return their logits [n, V] (`fetch`: see run_rows)."""

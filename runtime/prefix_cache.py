@@ -39,6 +39,7 @@ class PrefixCache:
         self.root = _Node(np.zeros(0, np.int64), np.zeros(0, np.int64), None, 0)
         self.held = np.zeros(capacity, dtype=bool)  # slots whose KV the tree keeps
         self.evicted = 0  # tokens given back so far
+        self.tokens = 0  # slots held now (counted as they change: a step reads it)
         self._clock = 0
 
     def _walk(self, tokens: np.ndarray):
@@ -73,6 +74,7 @@ class PrefixCache:
         if i < len(tokens):
             leaf = _Node(np.array(tokens[i:], np.int64), np.array(slots[i:], np.int64), node, self._clock)
             node.children[int(leaf.tokens[0])] = leaf
+            self.tokens += int(np.count_nonzero(~self.held[leaf.slots]))
             self.held[leaf.slots] = True
 
     def evict(self, wanted: int, pinned: np.ndarray) -> None:
@@ -84,6 +86,7 @@ class PrefixCache:
             if not leaves:
                 return
             leaf = min(leaves, key=lambda n: n.used)
+            self.tokens -= int(np.count_nonzero(self.held[leaf.slots]))
             self.held[leaf.slots] = False
             self.evicted += len(leaf.slots)
             del leaf.parent.children[int(leaf.tokens[0])]
@@ -94,7 +97,3 @@ class PrefixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    @property
-    def tokens(self) -> int:
-        return int(self.held.sum())

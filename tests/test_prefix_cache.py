@@ -42,11 +42,13 @@ def test_eviction_drops_least_recently_used_leaves_and_never_pinned_ones():
     none = np.zeros(64, dtype=bool)
     cache.evict(64 - 6 + 1, none)  # 6 slots held: one more free slot wanted
     assert cache.match(np.array([1, 2, 4])).tolist() == [0, 1]  # its own slot went, the shared prefix stays
+    assert cache.tokens == 5 == cache.held.sum()  # the count a step reads, kept as slots come and go
     pinned = none.copy()
     pinned[[0, 1, 2]] = True  # a live request sees [1, 2, 3]
     cache.evict(64, pinned)  # wants every slot: everything unpinned goes, the pinned path stays
     assert cache.match(np.array([7, 8])).tolist() == []
     assert cache.match(np.array([1, 2, 3])).tolist() == [0, 1, 2]
+    assert cache.tokens == 3 == cache.held.sum()
 
 
 def test_repeated_generate_prefills_only_the_new_turn_and_equals_a_cold_run(flat, checkpoints, tmp_path_factory):

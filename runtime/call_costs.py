@@ -1,20 +1,14 @@
 """What one call of each graph costs: the compiler's measurement until this process has timed it.
 
-The draft policy (runtime/draft_policy.py) prices every step from these, offline and in the server.
-Two estimates per graph, as a plain step and a drafting step are priced differently:
-- `warm`: calls whose graph ran in the runner's previous step or earlier in this one. A plain step is
-  priced so, as steady plain decoding: a graph that sat idle (the plain step right after drafting)
-  runs slower, and counted in, it would rate plain decoding dear and make drafting look better than
-  it is (what the idle one costs over a warm one prices probes instead: DraftPolicy.rewarm).
-- `typical`: every call but a graph's first. A drafting step is priced so, as drafting has cost: a
-  lookup drafts on a match between plain steps, so its scoring graphs mostly run after sitting idle,
-  and priced warm they looked cheaper than they are (prompt lookup drafted on 1-in-3 matches and
-  lost ~10% on the default recipe).
-A graph's first time in an estimate waits for a second, and the faster counts (one run can be a
-spike: a DLM graph's second run once took 7.6 ms against 1.9); later ones are averaged in, and a
-faster warm one counts at once (underrating plain decoding loses to drafting that does not pay).
-Graphs not timed yet are their seeds scaled by the last warm-timed graph's ratio to its seed, since
-the machine and its load are not the compiler's.
+The draft policy prices every step from these (docs/runtime.md, "The draft policy"). Two estimates
+per graph: `warm` (the graph ran in the runner's previous step or earlier in this one) prices a plain
+step, as steady plain decoding; `typical` (every call but a graph's first) prices a drafting step, as
+drafting has cost: a lookup drafts between plain steps, so its scoring graphs mostly run after sitting
+idle, and priced warm they looked cheaper than they are (prompt lookup drafted on 1-in-3 matches and
+lost ~10% on the default recipe). A graph's first time in an estimate waits for a second, and the
+faster counts (a DLM graph's second run once took 7.6 ms against 1.9); a faster warm one counts at
+once (underrating plain decoding loses to drafting that does not pay). Graphs not timed yet are their
+seeds scaled by the last warm-timed graph's ratio to its seed: the machine is not the compiler's.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from collections.abc import Callable
 import numpy as np
 
 from runtime.forest import Branch, Forest
-from runtime.proposal import Proposal
+from runtime.proposal import Drafter, Proposal
 from runtime.sampling import SamplingParams, sample, warp
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, forest: Forest, params: SamplingParams, rng: np.random.Generator,
@@ -31,9 +31,6 @@ class DraftModelDrafter:
         self.fed: np.ndarray | None = None  # this round's slots of fed drafts: trimmed past the accepted ones
         self.k_used: dict[int, int] = {}
         self.calls0 = forest.runner.calls
-
-    def start(self, committed: list[int]) -> None:
-        pass  # the DLM is fed at the first draft (a catch-up)
 
     @property
     def used(self) -> int:

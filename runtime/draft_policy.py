@@ -1,45 +1,24 @@
-"""How many tokens to draft in a step: the lengths that maximise the step's expected tokens per second.
+"""How many tokens to draft in a step: the lengths that maximise the step's expected tokens per second
+(docs/runtime.md, "The draft policy", says what it weighs and when it probes).
 
 One policy for every way of speculating, a generation's (a step of one request) and the server's
 (a batch). With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a
-request that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens; a lookahead step emits
-1 + a (a: tokens accepted per step). A step's cost is priced by the one cost model (`price`, the
-engine's: each graph's call as this process timed it, runtime/call_costs.py, plus host time per
-call; a plain step as steady plain decoding, a drafting one as drafting has cost): its TLM call(s)
-over every row of the step, and for a draft model k DLM calls over the drafting requests. So alone
-a request drafts when that pays, and in a full batch, where drafts' rows are real compute, the step
-stays plain. Where requests offer drafts of different kinds, the likeliest are included first, each
-while it raises the step's rate.
+request that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens; a lookahead step 1 + a. A
+step is priced by the engine's one cost model (`price`), so alone a request drafts when that pays,
+and in a full batch, where drafts' rows are real compute, the step stays plain.
 
-A round that accepts n of k drafts has tested n + 1 of them (n < k; the rest were never judged) or
-k (n = k): for a draft model, whose tokens are accepted about independently, a is estimated as
-accepted over tested; over drafted it would read 0.59 for a = 0.8 at k = 4. A lookup's drafts are
-right or wrong together (a match that fails at its first token rarely recovers), so there the
-untested ones count as rejected (docs/benchmarks-history.md: estimated the independent way, prompt
-lookup drafted more and lost 3-5% more on the default recipe's prompts). Acceptance is estimated per
-kind of draft where a drafter tells kinds apart (prompt lookup: the match length, since a match of
-one token is right far less often than one of three; a table guess by its confidence), starting at
-a prior worth a few drafts (per kind where known: how often such a draft was right on an n-gram
-table's held-out answers). A new request halves what the policy learned (recent text counts most); beside
-other live requests that share it, a batch's worth of new requests does (`new_generation`).
+Why acceptance is counted as it is: a round that accepts n of k drafts has tested n + 1 of them (n <
+k; the rest were never judged) or k. A draft model's tokens are accepted about independently, so a is
+accepted over tested (over drafted it would read 0.59 for a = 0.8 at k = 4). A lookup's drafts are
+right or wrong together (a match that fails at its first token rarely recovers), so there the untested
+ones count as rejected (estimated the independent way, prompt lookup drafted more and lost 3-5% more
+on the default recipe's prompts: docs/benchmarks-history.md). A draft model's probe takes the length
+of the best expected rate near break-even, where k verdicts can settle the question in one probe: with
+the smallest k a good draft model was seen never to start drafting.
 
-Only greedy requests share a policy that follows measured costs (their output does not depend on
-k); a sampled one prices with the compiler's costs alone, as if alone, so that its choices depend on
-nothing but its seeded random stream (acceptances) and a seed reproduces a run (`adapt` off).
-
-The first steps are plain (two warm ones: what drafting must beat). After a run of plain steps the
-policy drafts once (a probe), so text that turns predictable later is noticed: with the smallest
-length, or for a draft model's independent drafts with the length of the best expected rate (the
-smallest while drafting looks hopeless, a longer one near break-even, where k verdicts can settle the
-question in one probe: with the smallest k a good draft model was seen never to start drafting). A
-lookup's longer probe tells little more than its first token and costs a longer scoring call. The
-run is at least `probe_every` steps, doubles after each probe that changed nothing, and is long
-enough that probes cost at most `probe_share` of the time when drafting does not pay (a probe loses
-its cost minus the plain steps its expected tokens would have taken, plus its draft model's
-catch-up on those plain steps, plus what the plain step after it costs over a warm one, `rewarm`).
-Drafting must be predicted `margin` faster than plain decoding: near break-even, noise in the
-estimates would make it lose as often as win. After `remeasure_every` drafting steps in a row, plain
-steps are measured again (a slow spell of the machine would otherwise keep plain decoding rated slow).
+Only greedy requests share a policy that follows measured costs (their output does not depend on k);
+a sampled one prices with the compiler's costs alone (`adapt` off), so that its choices depend on
+nothing but its seeded random stream and a seed reproduces a run.
 """
 
 from __future__ import annotations

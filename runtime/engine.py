@@ -1,38 +1,23 @@
-"""The engine step: every batched way of generating produces its tokens here.
+"""The engine step: every batched way of generating produces its tokens here (docs/runtime.md, "The
+engine step").
 
 Each admitted request is one branch of the forest over the shared KV cache (runtime/forest.py).
 `Engine.step()` feeds every running request's newest token (and its drafts) as rows of the cheapest
 calls the graphs allow, then chooses each request's next tokens from its own rows with its own
-random stream, and emits them (`Event`s to the request's listener). MultiDecode (runtime/multi.py)
-and the server's scheduler (serve/scheduler.py, the queue and the thread) both drive it.
+random stream, and emits them (`Event`s to the request's listener). Generations, MultiDecode
+(runtime/multi.py) and the server's scheduler (serve/scheduler.py) all drive it.
 
     admit ─► cancelled out ─► drafts (_propose) ─► one call: running rows + prompt chunks ─►
     fork followers ─► verify / sample each request ─► emit events ─► finish (keep or free KV)
 
-Prompts are prefilled in chunks (chunked prefill): a step's rows left after the running requests',
-up to the largest graph's (and at least a quarter of it), go to the waiting prompts in admission
-order, so an arrival never stalls the running streams for more than a call; a prompt's first token
-comes from the step that feeds its last chunk. Requests join and leave between steps. One capacity
-rule (`check_fits`, `Request.need`): a request is admitted only when the cache has room for its
-prompt and all its new tokens besides what the admitted requests may still need, so a running
-request never runs out of slots.
-
-A request may follow a leader (another request whose prompt begins its own: the choices of one
-prompt, or the questions over one context): it forks the leader's branch once the leader's prompt is
-in the cache, so the shared tokens are prefilled once.
-
-A request may speculate (a generation's drafter, or a server request's request.Speculation): its row
-chain is then its newest token plus this round's drafts, scored in the same call as everyone else's
-rows, verified exactly (runtime/rejection.py), and its rejected rows are trimmed from its branch.
-How much each request drafts is one draft policy's choice (runtime/draft_policy.py), priced by one
-cost model (`price`: each graph's call as the runners timed it, plus the host time per call the
-steps measure); greedy requests of one method and settings share the engine's policy (kept across
-requests, a generation's and the server's alike). Draft-model drafts come from a second forest over
-the DLM's cache, every drafting request's i-th draft in one call.
-
-With the prefix cache (batch-invariant artifacts), a finished request's KV stays in the forest, and
-a new request whose prompt starts with cached tokens (a chat's system prompt and earlier turns)
-prefills only the rest; its output is bitwise the same as a cold run's.
+Prompts are prefilled in chunks, in the rows a step leaves after the running requests' (at least a
+quarter of the largest graph), so an arrival never stalls the running streams for more than a call.
+One capacity rule (`check_fits`, `Request.need`): a request is admitted only when the cache has room
+for its prompt and all its new tokens besides what the admitted requests may still need. A request
+may follow a leader whose prompt begins its own (it forks the leader's prefilled branch), and may
+speculate: its drafts are scored in the same call as everyone else's rows, verified exactly
+(runtime/rejection.py), and its rejected rows trimmed; one draft policy (runtime/draft_policy.py),
+priced by one cost model (`price`), chooses how much each drafts.
 """
 
 from __future__ import annotations
@@ -50,11 +35,11 @@ from runtime.draft_policy import DraftPolicy
 from runtime.forest import Branch, CapacityError, Forest
 from runtime.logprobs import TokenLogprob, token_logprob, token_logprobs
 from runtime.proposal import Drafter, Proposal
-from runtime.rejection import verify_greedy, verify_round
+from runtime.rejection import verify_greedy, verify_tree
 from runtime.request import Decoding, Speculation
 from runtime.results import Metrics, finish_reason
 from runtime.round_stats import RoundStats
-from runtime.sampling import argmax_rows, next_token
+from runtime.sampling import argmax_rows, next_token, warped_rows
 from runtime.speculative import make_drafter, make_policy
 
 NONE = Proposal()  # a plain step
@@ -407,8 +392,9 @@ class Engine:
             path: list[int] = []
             if not proposal.empty:
                 call, parents, _ = proposal.rows(req.tokens[-1])
-                path, nxt = verify_greedy(call[: len(parents)], parents, best) if greedy else \
-                    verify_round(call[: len(parents)], parents, proposal.q, rows, req.decoding.params, req.rng)
+                params = req.decoding.params  # greedy walks the argmax, sampling verifies exactly
+                path, nxt = verify_greedy(call[: len(parents)], parents, best) if greedy or not params.do_sample \
+                    else verify_tree(call[: len(parents)], parents, proposal.q, warped_rows(rows, params), req.rng)
                 rejected = np.ones(len(call), dtype=bool)
                 rejected[[0, *path]] = False
                 self.forest.trim(req.branch, s[rejected])  # the rejected drafts' (and lookahead's window rows') KV

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from common.recipe import LookaheadSettings
-from runtime.proposal import Proposal
+from runtime.proposal import Drafter, Proposal
 
 
 def window_sees(levels: int, width: int) -> np.ndarray:
@@ -36,7 +36,7 @@ def window_sees(levels: int, width: int) -> np.ndarray:
     return sees
 
 
-class Lookahead:
+class Lookahead(Drafter):
     name = "lookahead"
 
     def __init__(self, settings: LookaheadSettings) -> None:
@@ -46,7 +46,7 @@ class Lookahead:
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.levels: list[np.ndarray] = []
         self.seen = 0  # committed tokens already cut into pool n-grams
-        self.steps = self.windows = 0
+        self.windows = 0
 
     def _add(self, gram: tuple[int, ...]) -> None:
         grams = self.pool.setdefault(gram[0], OrderedDict())
@@ -107,10 +107,6 @@ class Lookahead:
                     self._add(tuple(int(lv[i]) for lv in self.levels) + (int(guesses[i]),))
                 self.levels = self.levels[1:]
             self.levels.append(guesses)
-        self.steps += 1
-
-    def end(self, text: list[int] | None) -> None:
-        pass
 
     def summary(self) -> dict:
         return {"lookahead_steps": self.windows, "pool_keys": len(self.pool),

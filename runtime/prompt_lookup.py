@@ -11,13 +11,11 @@ free drafts, acceptance per kind of draft), and no draft means a plain decode st
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from common.ngram_table import NgramTable
 from common.recipe import PromptLookupSettings
-from runtime.proposal import Proposal
+from runtime.proposal import Drafter, Proposal
 
 
 def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.ndarray]:
@@ -65,16 +63,13 @@ def table_priors(table: NgramTable | None) -> dict[int, float]:
     return matches | {TABLE_KIND + tenth: rates.get(TABLE_KIND + tenth, tenth / 10) for tenth in range(11)}
 
 
-class PromptLookup:
+class PromptLookup(Drafter):
     name = "prompt_lookup"
 
     def __init__(self, settings: PromptLookupSettings, table: NgramTable | None) -> None:
         self.settings, self.table = settings, table
         self.found = np.zeros(0, np.int64)  # this step's draft, offered and then proposed
         self.matched_rounds = self.table_rounds = 0
-
-    def start(self, committed: list[int]) -> None:
-        pass
 
     def offer(self, committed: list[int], room: int) -> tuple[int, int]:
         # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
@@ -87,13 +82,6 @@ class PromptLookup:
 
     def propose(self, committed: list[int], k: int) -> Proposal:
         return Proposal.chain(self.found[:k])
-
-    def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
-                ) -> None:
-        pass
-
-    def end(self, text: list[int] | None) -> None:
-        pass
 
     def summary(self) -> dict:
         return {"rounds_with_a_match": self.matched_rounds, "rounds_with_a_table_guess": self.table_rounds}

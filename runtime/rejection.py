@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, argmax_rows, sample, warp
+from runtime.sampling import sample
 
-__all__ = ["rejection_sample", "verify_candidates", "verify_greedy", "verify_round", "verify_tree"]
+__all__ = ["rejection_sample", "verify_candidates", "verify_greedy", "verify_tree"]
 
 
 def rejection_sample(
@@ -139,12 +139,3 @@ def verify_greedy(tokens: np.ndarray, parents: np.ndarray, best: Callable[[int],
             return path, best_token
         path.append(child)
         node = child
-
-
-def verify_round(tokens: np.ndarray, parents: np.ndarray, q: np.ndarray | None, logits: np.ndarray,
-                 params: SamplingParams, rng: np.random.Generator) -> tuple[list[int], int]:
-    """One round's decision from the scoring call's logits (row i: after call row i): greedy walks the
-    argmax, sampling verifies exactly (`verify_tree`). Returns (accepted rows, root excluded; next token)."""
-    if not params.do_sample:
-        return verify_greedy(tokens, parents, argmax_rows(logits))
-    return verify_tree(tokens, parents, q, lambda i: warp(logits[i], params), rng)

@@ -118,6 +118,11 @@ def argmax_rows(logits: np.ndarray) -> Callable[[int | slice], np.ndarray]:
     return lambda rows: np.argmax(logits[rows], axis=-1)
 
 
+def warped_rows(logits: np.ndarray, params: SamplingParams) -> Callable[[int], np.ndarray]:
+    """row -> its warped distribution (`warp`), computed only for the rows a verification reads."""
+    return lambda row: warp(logits[row], params)
+
+
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from one row of logits: argmax when greedy (no warp needed), else warp + sample."""
     if not params.do_sample:

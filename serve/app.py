@@ -583,10 +583,9 @@ def check_exposure(host: str, api_key: str | None) -> None:
                       f"set --api-key or {API_KEY_ENV}", stacklevel=2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__)
+def server_arguments(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options this server and the Ray deployment (serve/ray_serve.py, per replica) share."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
     p.add_argument("artifact")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -599,6 +598,13 @@ def main(argv: list[str] | None = None) -> int:
                    "machine with a small model, 1 can be faster)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"clients must send 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    p = server_arguments("python -m serve", __doc__)
     p.add_argument("--max-body-kb", type=positive, default=MAX_BODY_BYTES >> 10,
                    help=f"the largest request body accepted, in KiB (default {MAX_BODY_BYTES >> 10}); larger is a 413")
     p.add_argument("--no-prefix-cache", action="store_true",

@@ -9,7 +9,6 @@ Needs `pip install ".[ray]"`.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from ray import serve
 
 from common.manifest import read_manifest
 from runtime.load import load_artifact
-from serve.app import API_KEY_ENV, check_exposure, create_app, positive
+from serve.app import check_exposure, create_app, positive, server_arguments
 
 
 @serve.ingress()
@@ -49,21 +48,10 @@ def application(artifact: str | os.PathLike, replicas: int = 1, name: str | None
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    p = argparse.ArgumentParser(prog="python -m serve.ray_serve", description=__doc__)
-    p.add_argument("artifact")
+    p = server_arguments("python -m serve.ray_serve", __doc__)
     p.add_argument("--replicas", type=positive, default=1)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="a running Ray cluster to join (default: start a local instance)")
-    p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
-    p.add_argument("--max-queue", type=positive, default=64,
-                   help="waiting requests per replica before 429 (default 64)")
-    p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup", "lookahead"], default="none",
-                   help="the method of requests that name none (default none)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--threads", type=positive, help="ONNX Runtime threads per replica (default: its own choice)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"clients must send 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_ENV})")
     args = p.parse_args(argv)
     check_exposure(args.host, args.api_key)
     try:

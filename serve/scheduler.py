@@ -25,12 +25,9 @@ class QueueFullError(RuntimeError):
 
 class Scheduler:
     def __init__(self, art: Artifact, max_queue: int = 64, max_batch: int | None = None,
-                 on_finish: Callable[[Request], None] | None = None, prefix_cache: bool | None = None) -> None:
-        """`prefix_cache` (default: on when the artifact is batch invariant) reuses finished requests'
-        KV for later prompts that start with the same tokens, the draft model's too."""
-        self.engine = Engine(art, max_batch, prefix_cache)
+                 prefix_cache: bool | None = None) -> None:
+        self.engine = Engine(art, max_batch, prefix_cache)  # its on_finish: the server's metrics
         self.art, self.max_queue = art, max_queue
-        self.engine.on_finish = on_finish  # called with each finished request (the server's metrics)
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mxspd-scheduler", daemon=True)

@@ -156,7 +156,7 @@ class Forest:
         slots = self._allocate(len(tokens))
         if len(self._tri) < len(tokens):
             self._tri = np.tri(len(tokens), dtype=bool)
-        plan = self.runner.plan(len(tokens), self.max_rows)
+        plan = self.runner.plan(len(tokens), self.max_rows, last_row=len(chains) == 1 and keep[0] == 1)
         if len(chains) == 1 and len(plan) == 1:  # the common call (a decode step, a round, a chunk): lean
             (graph, n), k = plan[0], keep[0]
             graph = self._chunk_graph(graph, k == 1)
@@ -172,6 +172,7 @@ class Forest:
         for branch, own in zip(branches, mine, strict=True):
             branch.view[own] = True
             branch.order.extend(own.tolist())
+        self._low = int(slots[-1]) + 1  # the lowest free ones were taken: every slot below the last is
         return out, mine
 
     def _chunk_graph(self, graph: str, last_row_only: bool) -> str:
@@ -222,8 +223,8 @@ class Forest:
         branch.order = [s for s in branch.order if s not in gone]
 
     def _allocate(self, n: int) -> np.ndarray:
-        """The n lowest free slots. A few tokens of a few branches (a decode step, a round) try the slots from
-        `_low` one by one first: a step then reads a few entries, not every branch's whole view."""
+        """The n lowest free slots, in order. A few tokens of a few branches (a decode step, a round) try the
+        slots from `_low` one by one first: a step then reads a few entries, not every branch's whole view."""
         held = self.cache.held if self.cache is not None else None
         if n * len(self.live) <= 16:
             near: list[int] = []
@@ -231,7 +232,6 @@ class Forest:
                 if not (held is not None and held[s] or any(b.view[s] for b in self.live)):
                     near.append(s)
                     if len(near) == n:
-                        self._low = s + 1
                         return np.array(near, np.int64)
         pinned = self.pinned()
         free = np.flatnonzero(~(pinned | held) if held is not None else ~pinned)
@@ -241,5 +241,4 @@ class Forest:
         if len(free) < n:
             raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "
                                 f"{self.runner.context} are free")
-        self._low = int(free[n - 1]) + 1
         return free[:n]

@@ -110,16 +110,21 @@ class ModelRunner:
         """The cheapest graph that holds `rows` new tokens (see graph_io.fitting_graph)."""
         return graph_io.fitting_graph({name: g.tokens for name, g in self._every_row()}, rows)
 
-    def plan(self, rows: int, max_rows: int | None = None) -> list[tuple[str, int]]:
+    def plan(self, rows: int, max_rows: int | None = None, last_row: bool = False) -> list[tuple[str, int]]:
         """The cheapest calls for `rows` new rows by the compiler's measured costs (graph_io.plan_calls).
+        `last_row`: only the last row's logits are wanted (a prompt), so PREFILL's calls run and are priced as
+        `prefill_graph` (its LM head on one row: a 128-row MXFP4 chunk at 1B widths costs 0.84x its every-row
+        twin, which the plan needs to know, or 8-row calls that compute 8 rows' logits each look cheaper).
         Remembered per row count while the graphs' entries stay the same objects (a step asks every time)."""
         entries = tuple(self.entries.values())
         same = len(entries) == len(self._planned_for) and all(map(operator.is_, entries, self._planned_for))
         if not same:
             self._planned_for, self._plans = entries, {}
-        key = (rows, max_rows)
+        key = (rows, max_rows, last_row)
         if key not in self._plans:
             costs = {name: (g.tokens, g.cost_ms) for name, g in self._every_row()}
+            if last_row and graph_io.PREFILL in costs:
+                costs[graph_io.PREFILL] = (costs[graph_io.PREFILL][0], self.entries[self.prefill_graph].cost_ms)
             self._plans[key] = graph_io.plan_calls(costs, rows, max_rows)
         return self._plans[key]
 
@@ -241,7 +246,7 @@ class ModelRunner:
     def prefill(self, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
         """Process a prompt in the cheapest chunks (`plan`); return the last token's logits (`fetch`: see
         run_rows; only the last chunk's logits are brought to the host)."""
-        s, logits, plan = 0, None, self.plan(len(tokens))
+        s, logits, plan = 0, None, self.plan(len(tokens), last_row=True)
         for i, (graph, n) in enumerate(plan):
             graph = self.prefill_graph if graph == graph_io.PREFILL else graph
             logits = self.forward(graph, tokens[s : s + n], fetch=fetch and i == len(plan) - 1)

@@ -68,7 +68,7 @@ def fewest_calls(monkeypatch):
     it, so that they do not depend on the costs the compiler measured on this machine."""
     from runtime.model_runner import ModelRunner
 
-    monkeypatch.setattr(ModelRunner, "plan", lambda self, rows, max_rows=None: graph_io.plan_calls(
+    monkeypatch.setattr(ModelRunner, "plan", lambda self, rows, max_rows=None, last_row=False: graph_io.plan_calls(
         {name: (g.tokens, 0.0) for name, g in self.entries.items()}, rows, max_rows))
 
 

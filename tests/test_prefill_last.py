@@ -3,12 +3,15 @@ one row, and what a generation sees is bit for bit what the all-rows prefill gra
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
 
 from common import graph_io
 from common.manifest import read_manifest
+from runtime.forest import Forest
 from runtime.model_runner import ModelRunner
 
 
@@ -69,3 +72,25 @@ def test_calls_that_want_every_rows_logits_never_get_the_last_row_graph(runners)
     runner = runners[0]
     assert runner.graph_for(8) == graph_io.PREFILL
     assert all(graph != graph_io.PREFILL_LAST for graph, _ in runner.plan(20))
+
+
+def test_a_prompt_is_planned_by_what_its_calls_cost_keeping_its_last_row(runners):
+    """A prompt keeps its last row's logits alone, so its PREFILL calls run PREFILL_LAST, and the plan prices
+    them so: where the every-row graph costs more per row than smaller graphs but the last-row one less (an
+    MXFP4 1B build: 8-row calls, each with 8 rows of LM head, had taken its 512-token prompts), a prompt
+    takes the prefill chunks, a call that wants every row's logits does not, and a forest's prompt runs them."""
+    runner = runners[0]
+    saved, t = runner.entries, runner.entries[graph_io.PREFILL].tokens
+    per_row = {graph_io.PREFILL: 1.2, graph_io.PREFILL_LAST: 0.8}  # the others: 1.0 a row
+    runner.entries = {name: replace(g, cost_ms=g.tokens * per_row.get(name, 1.0)) for name, g in saved.items()}
+    try:
+        assert graph_io.PREFILL not in {graph for graph, _ in runner.plan(2 * t)}
+        assert runner.plan(2 * t, last_row=True) == [(graph_io.PREFILL, t)] * 2
+        forest = Forest(runner)
+        branch, calls = forest.attach([]), runner.calls
+        runner.warm.discard(graph_io.PREFILL_LAST)
+        forest.extend_rows([branch], [list(range(3, 3 + 2 * t))], [1])
+        assert runner.calls - calls == 2 and graph_io.PREFILL_LAST in runner.warm
+        forest.release(branch)
+    finally:
+        runner.entries = saved

@@ -237,6 +237,7 @@ class Forest:
         free = np.flatnonzero(~(pinned | held) if held is not None else ~pinned)
         if len(free) < n and self.cache is not None:  # give cached prefixes back, least recently used first
             self.cache.evict(n, pinned)
+            self._low = 0  # freed slots may lie below it (and this call may still fail)
             free = np.flatnonzero(~(pinned | self.cache.held))
         if len(free) < n:
             raise CapacityError(f"{n} new tokens need free cache slots but only {len(free)} of "

@@ -82,7 +82,7 @@ class ModelRunner:
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
         self.costs = GraphCosts(lambda graph: self.entries[graph].cost_ms or 1.0)  # as this process times them
         self._planned_for: tuple[GraphEntry, ...] = ()
-        self._plans: dict[tuple[int, int | None], list[tuple[str, int]]] = {}
+        self._plans: dict[tuple[int, int | None, bool], list[tuple[str, int]]] = {}
         # every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py), so greedy
         # decoding runs with fetch=False and reads `argmax()`, never the logits
         self.greedy_outputs = all(g.greedy_outputs for g in self.graphs.values())

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import runtime
+from runtime.forest import CapacityError, Forest
 from runtime.prefix_cache import PrefixCache
 from runtime.request import batched_speculation, decoding
 from serve.scheduler import Scheduler
@@ -176,3 +177,22 @@ def test_call_plans_without_costs_take_the_fewest_calls_within_max_rows():
     assert plan_calls(GRAPHS, 7, max_rows=4)[0][1] <= 4
     with pytest.raises(ValueError):
         plan_calls(GRAPHS, 0)
+
+
+def test_new_tokens_take_the_lowest_free_slots_after_an_eviction_that_did_not_make_room(flat, checkpoints,
+                                                                                       tmp_path_factory):
+    """The forest searches for free slots from a low-water mark (every slot below it taken). An eviction frees
+    slots below it, and the call that evicted can still fail for want of room: the next token must still get
+    the lowest free slot, as a search of every slot gives."""
+    art = artifact(flat, checkpoints, tmp_path_factory, "float32")
+    forest = Forest(art.tlm, prefix_cache=True)
+    kept = forest.attach([])
+    forest.extend_rows([kept], [list(range(3, 7))], [1])  # slots 0-3, then kept by the prefix cache
+    forest.keep(kept, list(range(3, 7)))
+    branch, rest = forest.attach([]), art.tlm.context - 4 - 6
+    forest.extend_rows([branch], [[5] * rest], [1])  # slots 4 .. C - 7: six are free, four cached
+    with pytest.raises(CapacityError):
+        forest.extend_rows([branch], [[5] * 13], [1])  # evicts the four, and still has only ten
+    assert forest.cache.tokens == 0
+    _, (slots,) = forest.extend_rows([branch], [[5]], [1])
+    assert slots.tolist() == [0]

@@ -583,14 +583,14 @@ def check_exposure(host: str, api_key: str | None) -> None:
                       f"set --api-key or {API_KEY_ENV}", stacklevel=2)
 
 
-def server_arguments(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    """The options this server and the Ray deployment (serve/ray_serve.py, per replica) share."""
+def server_arguments(prog: str, doc: str | None, per: str = "") -> argparse.ArgumentParser:
+    """The options this server and the Ray deployment (serve/ray_serve.py: `per` = " per replica") share."""
     p = argparse.ArgumentParser(prog=prog, description=doc)
     p.add_argument("artifact")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", help="the model id clients name (default: the recipe's name)")
-    p.add_argument("--max-queue", type=positive, default=64, help="waiting requests before 429 (default 64)")
+    p.add_argument("--max-queue", type=positive, default=64, help=f"waiting requests{per} before 429 (default 64)")
     p.add_argument("--speculation", choices=["none", "draft", "prompt_lookup", "lookahead"], default="none",
                    help="the method of requests that name none in their 'speculation' field (default none: under "
                         "concurrency the shared calls are already full)")

@@ -48,7 +48,7 @@ def application(artifact: str | os.PathLike, replicas: int = 1, name: str | None
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    p = server_arguments("python -m serve.ray_serve", __doc__)
+    p = server_arguments("python -m serve.ray_serve", __doc__, per=" per replica")
     p.add_argument("--replicas", type=positive, default=1)
     p.add_argument("--address", help="a running Ray cluster to join (default: start a local instance)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)

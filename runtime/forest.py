@@ -172,7 +172,7 @@ class Forest:
         for branch, own in zip(branches, mine, strict=True):
             branch.view[own] = True
             branch.order.extend(own.tolist())
-        self._low = int(slots[-1]) + 1  # the lowest free ones were taken: every slot below the last is
+        self._low = int(slots[-1]) + 1  # these were the lowest free slots: none below the last is free now
         return out, mine
 
     def _chunk_graph(self, graph: str, last_row_only: bool) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 
 import runtime
 from benchmarks.bandwidth import weight_bytes_per_call
+from benchmarks.chain import Chain
 from benchmarks.intervals import perplexity_ratio_interval
 from benchmarks.peers import Genai, llama_cpp_module, llama_file, llama_source, matrix_bits
 from benchmarks.variants import build_cached, variant, with_settings
@@ -272,7 +273,7 @@ def scored(chunks) -> Scores:
 def score(art, tokens: np.ndarray, divergence: Divergence, window: int | None = None) -> Scores:
     """Per-token negative log-likelihood, argmax and KL, teacher-forced through the prefill graph, in windows of
     `window` positions (default: the artifact's context)."""
-    runner, last = art.tlm, None
+    runner, last = Chain(art.tlm), None
 
     def chunk(w: int, inputs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         nonlocal last

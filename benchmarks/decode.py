@@ -55,7 +55,7 @@ def genai_model(ckpt: Path, precision: str = "fp32", provider: str = "cpu") -> P
 
 def time_ours(art, prompt, n, speculative=False):
     for runner in art.runners.values():  # cold: a repeated prompt would find its prefix in the caches
-        runner.rewind(0)
+        runner.forget()
     r = runtime.generate(art, prompt, max_new_tokens=n, speculative=speculative)
     return r.metrics.decode_tokens_per_s, r
 

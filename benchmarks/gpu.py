@@ -34,6 +34,7 @@ import onnxruntime as ort
 
 import runtime
 from benchmarks.bandwidth import gpu_name, gpu_read_bandwidth_gbs, weight_bytes_per_call
+from benchmarks.chain import Chain
 from benchmarks.mx_decode import LONG_ANSWER
 from benchmarks.peers import Genai
 from common import graph_io
@@ -83,9 +84,9 @@ def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
     same cached prompt; as in generation each call is followed by its commit (rewound after), so "after a
     decode call" means after a decode call and its commit. Shows whether alternating graphs, or the
     commits, cost what the calls alone do not (with CUDA graphs they do not: docs/benchmarks-history.md)."""
-    runner = art.tlm
+    runner = Chain(art.tlm)
     runner.start(np.asarray(prompt))
-    length, decode, score = runner.length, graph_io.DECODE, runner.graph_for(5)
+    length, decode, score = runner.length, graph_io.DECODE, art.tlm.graph_for(5)
     one_token, five = np.asarray(prompt[-1:]), np.asarray(prompt[-5:])
     times: dict[str, list[float]] = {}
 
@@ -111,24 +112,21 @@ def call_pattern(art, prompt: list[int], repeats: int = 50) -> dict[str, float]:
 def greedy_outputs_check(art, prompt: list[int]) -> dict:
     """Whether the greedy tokens the graphs compute on the device (compiler/greedy_outputs.py; greedy decoding
     reads only those) are numpy's argmax of the same call's logits, over a prefill call's rows."""
-    runner = art.tlm
-    if not runner.greedy_outputs:
+    if not art.tlm.greedy_outputs:
         return {"greedy_outputs": False}
-    runner.rewind(0)
-    graph, n = runner.plan(len(prompt))[0]
-    logits = runner.run(graph, np.asarray(prompt[:n]))
-    equal = runner.argmax() == np.argmax(logits, axis=-1)
-    runner.rewind(0)
+    graph, n = art.tlm.plan(len(prompt))[0]
+    logits = Chain(art.tlm).run(graph, np.asarray(prompt[:n]))
+    equal = art.tlm.argmax() == np.argmax(logits, axis=-1)
     return {"greedy_outputs": True, "rows": n, "argmax_equal_rows": int(equal.sum())}
 
 
 def one(art, prompt: list[int], new_tokens: int) -> dict:
     runner = art.tlm
-    runner.rewind(0)  # cold: the prompt would otherwise be found in the cache
+    runner.forget()  # cold: the prompt would otherwise be found in the cache
     before = runner.call_s
     r = runtime.generate(art, prompt, max_new_tokens=new_tokens, speculative=False)
     m, inside = r.metrics, runner.call_s - before
-    runner.rewind(0)
+    runner.forget()
     spd = runtime.generate(art, prompt, max_new_tokens=new_tokens, speculative=True)
     return {"spd_equals_ar": spd.token_ids == r.token_ids, "decode_tokens_per_s": round(m.decode_tokens_per_s, 1),
             "ttft_ms": round(1e3 * m.ttft_s, 2),

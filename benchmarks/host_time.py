@@ -36,8 +36,8 @@ def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
         runtime.generate(art, PROMPT, max_new_tokens=16, **kw)  # warm
         rates, host = [], []
         for _ in range(3):
-            for runner in runners:  # cold: each generation prefills its prompt
-                runner.rewind(0)
+            for runner in runners:  # cold: each generation prefills its prompt (older trees: rewind(0))
+                runner.forget() if hasattr(runner, "forget") else runner.rewind(0)
             seconds, calls = sum(m.call_s for m in runners), sum(m.calls for m in runners)
             result = runtime.generate(art, PROMPT, max_new_tokens=tokens, do_sample=False, **kw)
             rates.append(result.metrics.decode_tokens_per_s)

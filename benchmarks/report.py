@@ -79,7 +79,7 @@ def run_all(arts: dict, rows: dict, prompts: list[str], max_new: int | None, war
 
     def one(which: str, spd: bool | str, prompt: str):
         for runner in arts[which].runners.values():  # cold: a repeated prompt would find its prefix in the caches
-            runner.rewind(0)
+            runner.forget()
         return runtime.generate(arts[which], prompt, max_new_tokens=max_new, speculative=spd,
                                 draft_length=draft_length if spd is True else None)
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.chain import Chain
 from benchmarks.variants import heap_prepacked_copy
 from common.manifest import read_manifest
 from runtime.model_runner import ModelRunner
 
 
-def step_ms(runner: ModelRunner, graph: str, n: int, used: int, repeats: int) -> float:
+def step_ms(runner: Chain, graph: str, n: int, used: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         runner.rewind(used)
@@ -41,7 +42,7 @@ def main() -> None:
     entry = manifest.models["tlm"]
     tmp = tempfile.TemporaryDirectory()
     dirs = {"mapped": Path(args.artifact), "heap": heap_prepacked_copy(Path(args.artifact), Path(tmp.name) / "a")}
-    runners = {mode: ModelRunner(d, entry, manifest.capacity) for mode, d in dirs.items()}
+    runners = {mode: Chain(ModelRunner(d, entry, manifest.capacity)) for mode, d in dirs.items()}
     for r in runners.values():
         r.prefill(np.arange(4, 4 + args.context_used))
     rows = {}

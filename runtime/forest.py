@@ -46,7 +46,7 @@ class Forest:
         if max_rows is not None and not 1 <= max_rows <= largest:
             raise ValueError(f"rows per call must lie in [1, {largest}] (the largest compiled graph), got {max_rows}")
         self.runner = runner
-        self.max_rows = max_rows or largest
+        self.max_rows, self._largest = max_rows or largest, largest
         self.live: list[Branch] = []
         self.cache = PrefixCache(runner.context) if prefix_cache else None
         self._writes = runner.writes  # the runner's cache as this forest last left it
@@ -65,17 +65,15 @@ class Forest:
                 self._low = 0
             self._writes = self.runner.writes
 
-    def root(self, prompt: np.ndarray | None = None) -> tuple[Branch, np.ndarray | None]:
-        """A branch holding the prompt (prefilled into slots 0.., exactly as a single sequence is)
-        and the prompt's last logits; an empty branch without a prompt."""
-        logits, order = None, []
-        if prompt is not None and len(prompt):
-            if self.live or self.cache is not None:
-                raise ValueError("a prompt is prefilled into slots 0..: only before any other branch exists, and "
-                                 "not with a prefix cache (attach its cached_prefix, then extend)")
-            logits = self.runner.start(prompt).copy()
-            order = list(range(len(prompt)))
-        return self.attach(order), logits
+    def root(self, prompt: np.ndarray) -> tuple[Branch, np.ndarray]:
+        """A new branch holding the prompt, and the prompt's last logits. The prompt goes in the plan's
+        calls whatever `max_rows` (which caps a step's branches: beam search's sequential baseline)."""
+        branch, cap = self.attach([]), self.max_rows
+        self.max_rows = self._largest
+        try:
+            return branch, self.extend([branch], [list(prompt)])[0]
+        finally:
+            self.max_rows = cap
 
     def cached_prefix(self, prompt: list[int]) -> list[int]:
         """The slots of the longest cached prefix of `prompt` but its last token (which must be fed to

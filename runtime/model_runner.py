@@ -2,13 +2,9 @@
 
 Every graph's session memory-maps the model's one weights file, where the compiler stored the
 weights and their prepacked (kernel-layout) forms once: prepacked speed, one copy for all graphs.
-The cache is host-owned: slot s holds the token at position s of the committed sequence, and
-`length` says how many slots are valid. A call (`run`) sees the committed slots and its own rows
-as the mask says; `commit` then appends the chosen rows' KV (any subset: the accepted path of a
-token tree), so rows left out are never attended to again, and a rewind (purging committed
-speculative tokens) is just a smaller `length`. The
-engine's forest of sequences over one cache (runtime/forest.py) uses the general pair underneath:
-`run_rows` (each row sees the slots its mask row names) and `store` (rows' KV into chosen slots).
+A call (`run_rows`) sees the cache slots each of its rows' mask row names, and `store` puts chosen
+rows' KV into chosen slots (any subset: the accepted path of a token tree); which slots hold what is
+the engine's forest of sequences over the cache (runtime/forest.py), the one writer at a time.
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs. Where the tensors
 live and how the sessions open is the placement's (runtime/placement.py): host arrays on the CPU
@@ -70,9 +66,8 @@ class ModelRunner:
         self.context = slots
         self.max_length = max_length or slots
         self.place = _placement(artifact_dir, entry, slots, target, threads, device_cache, cuda_graph)
-        self.length = 0
         self.calls = 0  # graph runs, for metrics
-        self.writes = 0  # changes to the cache's contents or length (a forest's prefix cache checks it is the writer)
+        self.writes = 0  # changes to the cache's contents (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
         self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
         self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
@@ -132,17 +127,6 @@ class ModelRunner:
         """The graphs that return every row's logits, which any call may run (PREFILL_LAST returns the last
         row's alone: `prefill` and the forest's prompt chunks run it in PREFILL's place, as `prefill_graph`)."""
         return [(name, g) for name, g in self.entries.items() if graph_io.logit_rows(name, g.tokens) == g.tokens]
-
-    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None, fetch: bool = True
-            ) -> np.ndarray | None:
-        """Process `tokens` as new rows after the `length` committed slots; return their logits [n, V].
-
-        `sees` (bool [n, n]) says which new rows each row sees (default: causal); positions follow
-        from it (graph_io.row_positions). Nothing is committed: `commit` chooses which rows' KV
-        enter the cache. `fetch=False`: no logits (None), the caller reads `argmax()`.
-        """
-        sees = np.tri(len(tokens), dtype=bool) if sees is None else sees
-        return self.run_rows(graph, tokens, np.arange(self.context) < self.length, sees, fetch=fetch)
 
     def run_rows(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray,
                  check: bool = True, fetch: bool = True, positions: np.ndarray | None = None) -> np.ndarray | None:
@@ -204,51 +188,11 @@ class ModelRunner:
         """Whether each of the last call's rows' logits are all finite [n] (the graph's own check on a device)."""
         return self._last.finite(self._rows)
 
-    def commit(self, rows: list[int] | np.ndarray) -> None:
-        """Append the KV of these rows of the last `run` (in order: the root and an accepted path,
-        say) to the cache; the rows left out are never attended to again."""
-        rows = np.asarray(rows, dtype=np.int64)
-        start, m = self.length, len(rows)
-        if start + m > self.context:
-            raise ValueError(f"{start + m} tokens exceed the cache's {self.context} slots")
-        self.store(rows, np.arange(start, start + m))
-        self.length = start + m
-
     def store(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """Write the KV of these rows of the last call into these cache slots (one slot per row).
-        Committed slots from the first one written on are no longer the committed sequence."""
-        if len(slots):
-            self.length = min(self.length, int(slots[0] if len(slots) == 1 else slots.min()))
+        """Write the KV of these rows of the last call into these cache slots (one slot per row)."""
         self.writes += 1
         self.place.store(self._last, rows + self._first if self._first else rows, slots)
 
-    def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
-        """Process a chain of tokens and commit all of them; return their logits [n, V] (`fetch`: see run_rows)."""
-        if self.length + len(tokens) > self.context:
-            raise ValueError(f"{self.length + len(tokens)} tokens exceed the cache's {self.context} slots")
-        logits = self.run(graph, tokens, fetch=fetch)
-        self.commit(np.arange(len(tokens)))
-        return logits
-
-    def rewind(self, length: int) -> None:
-        """Forget every slot from `length` on (rejected speculative tokens are never seen again)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind to {length} (valid length {self.length})")
-        self.writes += 1  # a forest's prefix cache forgets: "cold" (tests), or another writer
-        self.length = length
-
-    def start(self, prompt: np.ndarray, fetch: bool = True) -> np.ndarray | None:
-        """Begin a sequence in slots 0..: prefill `prompt`, return its last token's logits (`fetch`: see
-        run_rows). Reusing an earlier sequence's prefix is the engine's (its forest's prefix cache)."""
-        self.rewind(0)
-        return self.prefill(prompt, fetch)
-
-    def prefill(self, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
-        """Process a prompt in the cheapest chunks (`plan`); return the last token's logits (`fetch`: see
-        run_rows; only the last chunk's logits are brought to the host)."""
-        s, logits, plan = 0, None, self.plan(len(tokens), last_row=True)
-        for i, (graph, n) in enumerate(plan):
-            graph = self.prefill_graph if graph == graph_io.PREFILL else graph
-            logits = self.forward(graph, tokens[s : s + n], fetch=fetch and i == len(plan) - 1)
-            s += n
-        return None if logits is None else logits[-1]
+    def forget(self) -> None:
+        """Count the cache's contents as another writer's: a forest forgets its cached prefixes (a cold run)."""
+        self.writes += 1

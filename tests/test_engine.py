@@ -103,7 +103,7 @@ def test_the_prefix_cache_is_forgotten_when_something_else_writes_the_cache(art)
     runtime.beam_search(art, [0, 5, 6], num_beams=2, max_new_tokens=4)  # its own forest over the same slots
     cold = runtime.generate(art, prompt + first.token_ids, max_new_tokens=4, speculative=False)
     assert cold.metrics.cached_prompt_tokens == 0 and cold.token_ids == again.token_ids
-    art.tlm.rewind(0)
+    art.tlm.forget()
     assert runtime.generate(art, prompt, max_new_tokens=2).metrics.cached_prompt_tokens == 0
 
 

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kernels
 import runtime
+from benchmarks.chain import Chain
 from common import graph_io
 from common.targets import session_options
 from compiler import build
@@ -140,8 +141,9 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     quant = [art.manifest.models["tlm"].quant for art in (fused, unfused)]
     assert quant[0].get("lowered_weights") == quant[1].get("lowered_weights")  # every MX weight still in its kernel
     prompt = np.array([0, 5, 9, 13, 21, 3, 7])
-    starts = [art.tlm.start(prompt[:-1]).copy() for art in (fused, kept, unfused)]
-    decodes = [art.tlm.forward("decode", prompt[-1:]) for art in (fused, kept, unfused)]
+    chains = [Chain(art.tlm) for art in (fused, kept, unfused)]
+    starts = [chain.start(prompt[:-1]).copy() for chain in chains]
+    decodes = [chain.forward("decode", prompt[-1:]) for chain in chains]
     for logits in starts, decodes:
         np.testing.assert_array_equal(logits[1], logits[2])
         np.testing.assert_allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)

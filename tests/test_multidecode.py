@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import runtime
+from benchmarks.chain import Chain
 from common.recipe import ModelSpec
 from export.pipeline import build_artifact
 from recipes import get_recipe
@@ -63,8 +64,7 @@ def _single(art, prompt, **kw):
 
 
 def _chain(runner: ModelRunner, tokens: list[int]) -> np.ndarray:
-    runner.rewind(0)
-    return runner.prefill(np.array(tokens)).copy()
+    return Chain(runner).prefill(np.array(tokens)).copy()
 
 
 @pytest.mark.parametrize("max_rows", [None, 3])
@@ -89,7 +89,7 @@ def test_every_branch_equals_a_chain_forward_under_churn(art, max_rows):
             forest.release(b)
             branches.remove(b)
         if not branches:  # a fresh sequence from an empty cache view
-            b, _ = forest.root()
+            b = forest.attach([])
             tokens[id(b)], nodes[id(b)] = [], []
             branches.append(b)
         chosen = [b for b in branches if rng.random() < 0.7] or branches[:1]
@@ -295,8 +295,6 @@ def test_forest_misuse_is_refused(art):
     forest.release(child)
     with pytest.raises(ValueError, match="distinct, live"):
         forest.extend([child], [[5]])
-    with pytest.raises(ValueError, match="before any other branch"):
-        forest.root(np.array(PROMPT))
     with pytest.raises(ValueError, match="rows per call"):
         Forest(art.tlm, max_rows=999)
 

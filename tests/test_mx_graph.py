@@ -13,6 +13,7 @@ import torch
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from benchmarks.chain import Chain
 from common.recipe import ModelSpec, RecipeError, recipe_from_dict, with_mx_format
 from compiler import mx_lowering
 from compiler.build import _check_lowered
@@ -322,7 +323,7 @@ def mx_artifacts(checkpoints, tmp_path_factory):
 
 
 def prompt_logits(artifact, tokens: list[int]) -> np.ndarray:
-    runner = load_artifact(artifact).tlm
+    runner = Chain(load_artifact(artifact).tlm)
     runner.prefill(np.array(tokens[:-1]))
     return runner.forward("decode", np.array(tokens[-1:]))[0]
 

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
+from benchmarks.chain import Chain
 from common import graph_io
 from common.manifest import read_manifest
 from runtime.forest import Forest
@@ -19,7 +20,7 @@ from runtime.model_runner import ModelRunner
 def runners(artifact_dir):
     manifest = read_manifest(artifact_dir)
     entry = manifest.models["tlm"]
-    return [ModelRunner(artifact_dir, entry, manifest.capacity) for _ in range(2)]
+    return [Chain(ModelRunner(artifact_dir, entry, manifest.capacity)) for _ in range(2)]
 
 
 def test_the_prefill_last_graph_returns_one_row(artifact_dir):
@@ -35,9 +36,8 @@ def test_the_prefill_last_graph_returns_one_row(artifact_dir):
 @pytest.mark.parametrize("length", [1, 5, 8, 13, 16, 21])  # chunks of 8: partial, whole, several
 def test_prefill_equals_the_all_rows_graphs_last_row_and_commits_the_same_cache(runners, length):
     last, every = runners
-    assert last.prefill_graph == graph_io.PREFILL_LAST
+    assert last.runner.prefill_graph == graph_io.PREFILL_LAST
     prompt = np.arange(5, 5 + length) % 200 + 3
-    last.rewind(0)
     every.rewind(0)
     got = last.start(prompt)
     rows = []
@@ -45,7 +45,8 @@ def test_prefill_equals_the_all_rows_graphs_last_row_and_commits_the_same_cache(
         rows.append(every.forward(graph_io.PREFILL, prompt[start : start + 8]))
     np.testing.assert_array_equal(got, rows[-1][-1])
     assert last.length == every.length == length
-    np.testing.assert_array_equal(last.place.cache_stack[..., :length, :], every.place.cache_stack[..., :length, :])
+    np.testing.assert_array_equal(last.runner.place.cache_stack[..., :length, :],
+                                  every.runner.place.cache_stack[..., :length, :])
     for _ in range(3):  # and decoding on goes on alike
         token = np.array([int(np.argmax(got))])
         got, want = last.forward(graph_io.DECODE, token)[0], every.forward(graph_io.DECODE, token)[0]
@@ -63,13 +64,13 @@ def test_a_partial_chunk_sits_at_the_graphs_end(runners, rows):
     chunk = np.arange(20, 20 + rows)
     got = last.forward(graph_io.PREFILL_LAST, chunk)
     np.testing.assert_array_equal(got, every.forward(graph_io.PREFILL, chunk)[-1:])
-    np.testing.assert_array_equal(last.place.cache_stack[..., : rows + 1, :],
-                                  every.place.cache_stack[..., : rows + 1, :])
-    np.testing.assert_array_equal(last.argmax(), np.argmax(got, axis=-1))
+    np.testing.assert_array_equal(last.runner.place.cache_stack[..., : rows + 1, :],
+                                  every.runner.place.cache_stack[..., : rows + 1, :])
+    np.testing.assert_array_equal(last.runner.argmax(), np.argmax(got, axis=-1))
 
 
 def test_calls_that_want_every_rows_logits_never_get_the_last_row_graph(runners):
-    runner = runners[0]
+    runner = runners[0].runner
     assert runner.graph_for(8) == graph_io.PREFILL
     assert all(graph != graph_io.PREFILL_LAST for graph, _ in runner.plan(20))
 
@@ -79,7 +80,7 @@ def test_a_prompt_is_planned_by_what_its_calls_cost_keeping_its_last_row(runners
     them so: where the every-row graph costs more per row than smaller graphs but the last-row one less (an
     MXFP4 1B build: 8-row calls, each with 8 rows of LM head, had taken its 512-token prompts), a prompt
     takes the prefill chunks, a call that wants every row's logits does not, and a forest's prompt runs them."""
-    runner = runners[0]
+    runner = runners[0].runner
     saved, t = runner.entries, runner.entries[graph_io.PREFILL].tokens
     per_row = {graph_io.PREFILL: 1.2, graph_io.PREFILL_LAST: 0.8}  # the others: 1.0 a row
     runner.entries = {name: replace(g, cost_ms=g.tokens * per_row.get(name, 1.0)) for name, g in saved.items()}

@@ -58,10 +58,10 @@ def test_repeated_generate_prefills_only_the_new_turn_and_equals_a_cold_run(flat
     first = runtime.generate(art, system + [5, 6], max_new_tokens=12, speculative=False)
     conversation = system + [5, 6] + first.token_ids + [7, 8, 9]
     for method in (False, "prompt_lookup", "draft"):
-        art.tlm.rewind(0)  # cold
+        art.tlm.forget()  # cold
         cold = runtime.generate(art, conversation, max_new_tokens=16, speculative=False)
         assert cold.metrics.cached_prompt_tokens == 0
-        art.tlm.rewind(0)  # the cold run's KV is forgotten too
+        art.tlm.forget()  # the cold run's KV is forgotten too
         runtime.generate(art, system + [5, 6], max_new_tokens=12, speculative=False)  # warm: the first turn
         warm = runtime.generate(art, conversation, max_new_tokens=16, speculative=method)
         assert warm.metrics.cached_prompt_tokens == len(system) + 2 + len(first.token_ids) - 1
@@ -112,7 +112,7 @@ def test_server_turns_reuse_cached_prefixes_and_equal_cold_runs(flat, checkpoint
     finally:
         scheduler.close()
     for prompt, max_new, answer in served:
-        art.tlm.rewind(0)  # cold
+        art.tlm.forget()  # cold
         assert answer == runtime.generate(art, prompt, max_new_tokens=max_new, speculative=False).token_ids
 
 
@@ -140,7 +140,7 @@ def test_the_draft_models_cache_reuses_prefixes_too(flat, checkpoints, tmp_path_
         scheduler.close()
     assert fed[0] == 0 and all(f >= 21 for f in fed[1:]), fed  # later turns: at least the first prompt cached
     for prompt, answer in served:
-        art.tlm.rewind(0)
+        art.tlm.forget()
         assert answer == runtime.generate(art, prompt, max_new_tokens=8, speculative=False).token_ids
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import runtime
+from runtime.forest import Forest
 from runtime.request import PromptTooLongError
 
 
@@ -82,7 +83,6 @@ def test_context_limit_ends_with_length(art):
     assert r.finish_reason in ("length", "eos")
     if r.finish_reason == "length":
         assert len(prompt) + len(r.token_ids) == c + 1  # every slot used, plus the final token
-    assert art.tlm.length <= c
 
 
 def test_the_recipes_max_prompt_length_is_enforced(checkpoints, tmp_path):
@@ -135,16 +135,18 @@ def test_stop_string(art):
     assert r.finish_reason == "stop" and stop in r.text and len(r.token_ids) <= len(full.token_ids)
 
 
-def test_rewind_forgets_tokens(art):
-    """After a rewind, new tokens see exactly what they would have seen without the detour."""
-    tlm = art.tlm
-    tlm.rewind(0)
-    tlm.prefill(np.array([0, 70, 71, 72]))
-    straight = tlm.forward("decode", np.array([80])).copy()
-    tlm.rewind(4)
-    tlm.forward("score2", np.array([90, 91, 92]))
-    tlm.rewind(4)
-    again = tlm.forward("decode", np.array([80]))
+def test_trimmed_tokens_are_forgotten(art):
+    """After a trim (rejected drafts), new tokens see exactly what they would have seen without the detour."""
+    forest = Forest(art.tlm)
+    branch, _ = forest.root(np.array([0, 70, 71, 72]))
+    (straight,), (slots,) = forest.extend_rows([branch], [[80]], [1])
+    straight = straight.copy()
+    forest.trim(branch, slots)
+    detour = forest.extend_rows([branch], [[90, 91, 92]], [3])[1][0]
+    (seen,), (after,) = forest.extend_rows([branch], [[80]], [1])
+    assert not np.array_equal(straight, seen)  # the control: untrimmed, the detour is seen
+    forest.trim(branch, np.concatenate([detour, after]))
+    (again,), _ = forest.extend_rows([branch], [[80]], [1])
     np.testing.assert_array_equal(straight, again)
 
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import runtime
 import runtime.rejection as rejection_module
+from benchmarks.chain import Chain
 from common import graph_io
 from common.recipe import LookaheadSettings
 from export.pipeline import build_artifact
@@ -47,15 +48,13 @@ def hf(checkpoints):
 
 def chain_logits(art, tokens: list[int]) -> np.ndarray:
     """Logits of the last token of `tokens`, by a plain chain forward from an empty cache."""
-    fresh = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.capacity)
-    return fresh.prefill(np.array(tokens))
+    return Chain(ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.capacity)).prefill(np.array(tokens))
 
 
 def test_tree_rows_equal_chain_forwards_also_after_committing_non_leading_rows(tlm_only):
     art, rng = tlm_only, np.random.default_rng(0)
-    tlm = art.tlm
+    tlm = Chain(art.tlm)
     committed = [0, *rng.integers(4, 250, 10).tolist()]
-    tlm.rewind(0)
     tlm.prefill(np.array(committed[:-1]))
     for _ in range(3):
         # a random tree under the root, then a lookahead-style window that sees the root only
@@ -66,7 +65,7 @@ def test_tree_rows_equal_chain_forwards_also_after_committing_non_leading_rows(t
         sees[7:, 0] = True
         sees[7:, 7:] = window_sees(levels, width)
         tokens = np.array([committed[-1], *rng.integers(4, 250, len(sees) - 1)])
-        logits = tlm.run(tlm.graph_for(len(tokens)), tokens, sees).copy()
+        logits = tlm.run(art.tlm.graph_for(len(tokens)), tokens, sees).copy()
         for row in range(len(tokens)):
             seen = np.flatnonzero(sees[row])  # a chain, in position order
             np.testing.assert_allclose(logits[row], chain_logits(art, committed[:-1] + tokens[seen].tolist()),
@@ -286,9 +285,9 @@ def test_the_forest_scores_a_tree_with_window_rows_over_several_calls_as_one_cal
     proposal = Proposal(np.array([9, 10, 11, 12]), np.array([0, 0, 1, 2]), None, np.array([20, 21, 22, 23]),
                         window_sees(2, 2))
     tokens, _, sees = proposal.rows(13)
-    tlm.rewind(0)
-    tlm.prefill(prompt)
-    whole = tlm.run(tlm.graph_for(len(tokens)), tokens, sees).copy()
+    chain = Chain(tlm)
+    chain.prefill(prompt)
+    whole = chain.run(tlm.graph_for(len(tokens)), tokens, sees).copy()
     forest = Forest(tlm, max_rows=max_rows)
     root, _ = forest.root(prompt)
     [rows], [slots] = forest.extend_rows([root], [list(tokens)], [len(tokens)], sees=[sees])

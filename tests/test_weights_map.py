@@ -17,6 +17,7 @@ import onnx
 import pytest
 
 import common.weights_map as weights_map
+from benchmarks.chain import Chain
 from common import graph_io
 from common.manifest import read_manifest
 from common.shared_weights import SharedWeights
@@ -154,8 +155,9 @@ def test_cpu_sessions_share_one_mapping_and_compute_what_their_own_weights_give(
         before = _weights_mappings(weights)
         runner = ModelRunner(art.path, entry, manifest.capacity, target=CPU)
         mapped = _weights_mappings(weights) - before
-        runner.start(np.arange(5, 17))
-        return runner.forward(graph_io.DECODE, np.array([11])), mapped
+        chain = Chain(runner)
+        chain.start(np.arange(5, 17))
+        return chain.forward(graph_io.DECODE, np.array([11])), mapped
 
     shared, shared_maps = decode()
     monkeypatch.setattr(SharedWeights, "available", classmethod(lambda cls, *a: None))

@@ -5,10 +5,12 @@
 Each measurement runs in its own process from its checkout (so each tree's own runtime loads the
 same artifact): three greedy generations of `--tokens` tokens, with speculation off and with prompt
 lookup, the median of each; host µs per call = (wall time - time inside the runner's calls) / calls,
-the Python around ONNX Runtime. With a draft model in the artifact, speculation with it too (the
-adaptive policy, and a fixed draft length of 3); its host µs per call counts the calls of both
-models. Each generation starts cold (every model's cache rewound). The checkouts alternate `--rounds`
-times (the machine drifts), and the table shows every round and this tree's median over the other's.
+the Python around ONNX Runtime, and the same per token generated (a method that drafts more makes
+fewer calls, each with more to verify, so per call alone misreads it). With a draft model in the
+artifact, speculation with it too (the adaptive policy, and a fixed draft length of 3); its host µs
+per call counts the calls of both models. Each generation starts cold (every model's cache
+forgotten). The checkouts alternate `--rounds` times (the machine drifts), and the table shows every
+round and this tree's median over the other's.
 """
 
 from __future__ import annotations
@@ -34,16 +36,18 @@ def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
     runners, out = list(art.runners.values()), {}
     for name, kw in (METHODS | (DRAFT if "dlm" in art.runners else {})).items():
         runtime.generate(art, PROMPT, max_new_tokens=16, **kw)  # warm
-        rates, host = [], []
+        rates, host, per_token = [], [], []
         for _ in range(3):
             for runner in runners:  # cold: each generation prefills its prompt (older trees: rewind(0))
                 runner.forget() if hasattr(runner, "forget") else runner.rewind(0)
             seconds, calls = sum(m.call_s for m in runners), sum(m.calls for m in runners)
             result = runtime.generate(art, PROMPT, max_new_tokens=tokens, do_sample=False, **kw)
             rates.append(result.metrics.decode_tokens_per_s)
-            host.append((result.metrics.total_s - (sum(m.call_s for m in runners) - seconds)) /
-                        (sum(m.calls for m in runners) - calls) * 1e6)
-        out[name] = {"tok_s": statistics.median(rates), "host_us": statistics.median(host)}
+            outside = result.metrics.total_s - (sum(m.call_s for m in runners) - seconds)
+            host.append(outside / (sum(m.calls for m in runners) - calls) * 1e6)
+            per_token.append(outside / result.metrics.new_tokens * 1e6)
+        out[name] = {"tok_s": statistics.median(rates), "host_us": statistics.median(host),
+                     "host_us_token": statistics.median(per_token)}
     return out
 
 
@@ -76,17 +80,20 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, tree in trees.items():
             runs[name].append(_run(tree, artifact, args.tokens))
-    print("| tree | method | tok/s per round | host µs per call per round |\n|---|---|---|---|")
+    print("| tree | method | tok/s per round | host µs per call per round | host µs per token per round |\n"
+          "|---|---|---|---|---|")
     for name in trees:
         for method in runs[name][0]:
-            rates = ", ".join(f"{r[method]['tok_s']:.1f}" for r in runs[name])
-            host = ", ".join(f"{r[method]['host_us']:.0f}" for r in runs[name])
-            print(f"| {name} | {method} | {rates} | {host} |")
+            cells = [", ".join(f"{r[method][k]:.{d}f}" for r in runs[name])
+                     for k, d in (("tok_s", 1), ("host_us", 0), ("host_us_token", 0))]
+            print(f"| {name} | {method} | {' | '.join(cells)} |")
     if args.against:
         for method in runs["this tree"][0]:
             ratio = [statistics.median(r[method][k] for r in runs["this tree"]) /
-                     statistics.median(r[method][k] for r in runs["against"]) for k in ("tok_s", "host_us")]
-            print(f"{method}: this tree / against: tok/s {ratio[0]:.3f}x, host µs per call {ratio[1]:.3f}x")
+                     statistics.median(r[method][k] for r in runs["against"])
+                     for k in ("tok_s", "host_us", "host_us_token")]
+            print(f"{method}: this tree / against: tok/s {ratio[0]:.3f}x, host µs per call {ratio[1]:.3f}x, "
+                  f"per token {ratio[2]:.3f}x")
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         art = load_artifact(args.artifact)
         prompts = art.manifest.recipe.get("prompts") or ["def main():\n"]
         prompt = args.prompt if args.prompt is not None else prompts[0]
+        sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if any(x is not None for x in (args.n, args.beams, args.question, args.length_penalty, args.num_return)):
-            return _multi(art, prompt, args)
-        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculative=args.speculative,
-                  draft_length=args.draft_length, **_method_settings(args))
+            return _multi(art, prompt, args, sampling)
+        kw = dict(sampling, speculative=args.speculative, draft_length=args.draft_length, **_method_settings(args))
         results = []
         pieces = stream(art, prompt, on_done=results.append, **kw)  # checks every argument first
         chat = art.manifest.recipe.get("chat_template", False)  # the answer follows the question, not the text
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _multi(art, prompt: str, args: argparse.Namespace) -> int:
+def _multi(art, prompt: str, args: argparse.Namespace, sampling: dict) -> int:
     """--n, --beams or --question: print every sequence when all are done."""
     from runtime import beam_search, generate, generate_multi
 
@@ -102,8 +102,6 @@ def _multi(art, prompt: str, args: argparse.Namespace) -> int:
         raise ValueError("--beams is deterministic beam search: drop --sample/--seed")
     if args.beams is None and (args.length_penalty is not None or args.num_return is not None):
         raise ValueError("--length-penalty and --num-return apply to --beams only")
-    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.beams is not None:
         r = beam_search(art, prompt, num_beams=args.beams, max_new_tokens=args.max_new_tokens,
                         length_penalty=1.0 if args.length_penalty is None else args.length_penalty,

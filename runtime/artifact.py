@@ -138,11 +138,6 @@ def open_artifact(path: str | Path, verify: bool = True, threads: int | None = N
         if table.vocab_size != manifest.models["tlm"].dims.vocab_size:
             raise ArtifactError(f"artifact {path}: its n-gram table is for a vocabulary of {table.vocab_size} tokens, "
                                 f"the TLM has {manifest.models['tlm'].dims.vocab_size}")
-    art = Artifact(path=path, manifest=manifest, tokenizer=tokenizer, runners=runners, load_seconds=0.0,
-                   ngram_table=table)
-    eos = set(manifest.models["tlm"].eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    art.eos_token_ids = frozenset(eos)
-    art.load_seconds = time.perf_counter() - start
-    return art
+    eos = frozenset({*manifest.models["tlm"].eos_token_ids, tokenizer.eos_token_id} - {None})
+    return Artifact(path=path, manifest=manifest, tokenizer=tokenizer, runners=runners,
+                    load_seconds=time.perf_counter() - start, eos_token_ids=eos, ngram_table=table)

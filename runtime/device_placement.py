@@ -101,19 +101,12 @@ class DevicePlacement(Placement):
         for name, value in outputs.items():
             g.binding.bind_ortvalue_output(name, value)
         g.on_device |= outputs
-        layers = range(d.n_layers)
-        self._bind_layers(g.binding, [f(i) for i in layers for f in (io.past_key, io.past_value)], self.cache,
-                          self.slots)
         g.new_stack = zeros((2 * d.n_layers, 1, d.n_kv_heads, tokens, d.head_dim), self.dtype, self.target.device)
-        self._bind_layers(g.binding, [f(i) for i in layers for f in (io.new_key, io.new_value)], g.new_stack,
-                          tokens, output=True)
+        for i in range(2 * d.n_layers):  # layer by layer (key.0, value.0, key.1, ...): each its slice of the stack
+            past, new = (io.past_key, io.new_key) if i % 2 == 0 else (io.past_value, io.new_value)
+            self._bind(g.binding, past(i // 2), self.cache, i, self.slots)
+            self._bind(g.binding, new(i // 2), g.new_stack, i, tokens, output=True)
         return g
-
-    def _bind_layers(self, binding: ort.IOBinding, names: list[str], buffer: ort.OrtValue, rows: int,
-                     output: bool = False) -> None:
-        """Bind each of `names` (past or new KV, layer by layer: key.0, value.0, key.1, ...) to its slice."""
-        for i, name in enumerate(names):
-            self._bind(binding, name, buffer, i, rows, output=output)
 
     def _bind(self, binding: ort.IOBinding, name: str, buffer: ort.OrtValue, index: int, rows: int,
               output: bool = False) -> None:

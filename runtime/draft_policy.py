@@ -1,11 +1,6 @@
-"""How many tokens to draft in a step: the lengths that maximise the step's expected tokens per second
-(docs/runtime.md, "The draft policy", says what it weighs and when it probes).
-
-One policy for every way of speculating, a generation's (a step of one request) and the server's
-(a batch). With acceptance a per drafted token (the i.i.d. model of shared/notes/spd-math.md), a
-request that drafts k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens; a lookahead step 1 + a. A
-step is priced by the engine's one cost model (`price`), so alone a request drafts when that pays,
-and in a full batch, where drafts' rows are real compute, the step stays plain.
+"""How many tokens to draft in a step: the lengths that maximise the step's expected tokens per second,
+for a generation and the server's batch alike (docs/runtime.md, "The draft policy", says what it weighs,
+when it probes, and why only greedy requests share a policy that follows measured costs).
 
 Why acceptance is counted as it is: a round that accepts n of k drafts has tested n + 1 of them (n <
 k; the rest were never judged) or k. A draft model's tokens are accepted about independently, so a is
@@ -15,10 +10,6 @@ ones count as rejected (estimated the independent way, prompt lookup drafted mor
 on the default recipe's prompts: docs/benchmarks-history.md). A draft model's probe takes the length
 of the best expected rate near break-even, where k verdicts can settle the question in one probe: with
 the smallest k a good draft model was seen never to start drafting.
-
-Only greedy requests share a policy that follows measured costs (their output does not depend on k);
-a sampled one prices with the compiler's costs alone (`adapt` off), so that its choices depend on
-nothing but its seeded random stream and a seed reproduces a run.
 """
 
 from __future__ import annotations
@@ -171,12 +162,8 @@ class DraftPolicy:
         fits = [k for k in self.lengths if k <= most]
         if not self.independent:
             return fits[0]
-
-        def rate(k: int) -> float:
-            tokens, cost, _ = self._step(k, order, live, False, plain)
-            return tokens / cost
-
-        return max(fits, key=rate)  # the shortest of equals
+        rates = [tokens / cost for tokens, cost, _ in (self._step(k, order, live, False, plain) for k in fits)]
+        return fits[rates.index(max(rates))]  # the shortest of equals
 
     def _probe_gap(self, k: int, order: list[tuple[int, int, float]], live: int, plain: float) -> float:
         """Plain steps per probe of k that keep probing within probe_share of the time. A probe also

@@ -1,23 +1,12 @@
 """The engine step: every batched way of generating produces its tokens here (docs/runtime.md, "The
-engine step").
+engine step", draws the step and gives its rules: one capacity rule, leaders and followers, prompt
+chunks, failures that are a request's own).
 
 Each admitted request is one branch of the forest over the shared KV cache (runtime/forest.py).
 `Engine.step()` feeds every running request's newest token (and its drafts) as rows of the cheapest
 calls the graphs allow, then chooses each request's next tokens from its own rows with its own
 random stream, and emits them (`Event`s to the request's listener). Generations, MultiDecode
 (runtime/multi.py) and the server's scheduler (serve/scheduler.py) all drive it.
-
-    admit ─► cancelled out ─► drafts (_propose) ─► one call: running rows + prompt chunks ─►
-    fork followers ─► verify / sample each request ─► emit events ─► finish (keep or free KV)
-
-Prompts are prefilled in chunks, in the rows a step leaves after the running requests' (at least a
-quarter of the largest graph), so an arrival never stalls the running streams for more than a call.
-One capacity rule (`check_fits`, `Request.need`): a request is admitted only when the cache has room
-for its prompt and all its new tokens besides what the admitted requests may still need. A request
-may follow a leader whose prompt begins its own (it forks the leader's prefilled branch), and may
-speculate: its drafts are scored in the same call as everyone else's rows, verified exactly
-(runtime/rejection.py), and its rejected rows trimmed; one draft policy (runtime/draft_policy.py),
-priced by one cost model (`price`), chooses how much each drafts.
 """
 
 from __future__ import annotations
@@ -463,11 +452,10 @@ class Engine:
         return out, chosen
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        forest = self.forest
         if req.branch is not None and reason != "error":  # an error's KV may be incomplete: not kept
-            forest.keep(req.branch, req.prompt + req.tokens)
+            self.forest.keep(req.branch, req.prompt + req.tokens)
         elif req.branch is not None:
-            forest.release(req.branch)
+            self.forest.release(req.branch)
         if req.drafter is not None:  # a draft model's accepted prefix is kept, as the TLM's
             req.drafter.end(None if reason == "error" else req.prompt + req.tokens)
         self.live.remove(req)
@@ -489,9 +477,7 @@ def engine_of(art: Artifact) -> Engine:
 
 def _drafted(proposal: Proposal, drafter: Drafter) -> int:
     """What a round drafted, as the policy counts it: its tokens (lookahead: 1 for a step, 0 for none)."""
-    if drafter.name == "lookahead":
-        return int(not proposal.empty)
-    return len(proposal.tokens)
+    return int(not proposal.empty) if drafter.name == "lookahead" else len(proposal.tokens)
 
 
 def _prefilling(req: Request) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from runtime.artifact import Artifact
-from runtime.engine import Engine, Event, Request, check_fits, engine_of
+from runtime.engine import Request, check_fits, engine_of
 from runtime.load import load_artifact
 from runtime.model_runner import NonFiniteLogitsError
 from runtime.multi import MultiResult, collect, start_branches
@@ -50,18 +50,14 @@ class Generation:
         with self.art.exclusive():
             yield from self._run()
 
-    def _request(self, engine: Engine, events: list[Event]) -> Request:
+    def _run(self) -> Iterator[int]:
+        engine, events = engine_of(self.art), []
         req = Request(list(self.prompt_ids), self.d, self.max_new_tokens, events.append)
         if self.method is not None:
             req.drafter = make_drafter(self.art, self.method, self.settings, self.draft_params, req.rng, engine.dlm,
                                        engine.stats)
             req.policy = engine.policy_for(self.method, self.settings, self.draft_length, not self.d.params.do_sample)
             req.rounds = RoundStats()
-        return req
-
-    def _run(self) -> Iterator[int]:
-        engine, events = engine_of(self.art), []
-        req = self._request(engine, events)
         check_fits(self.art, [req])
         calls0 = self.art.tlm.calls
         engine.add([req])

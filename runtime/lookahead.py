@@ -98,8 +98,7 @@ class Lookahead(Drafter):
 
     def observe(self, proposal: Proposal, accepted: int, emitted: list[int], best: Callable[[int | slice], np.ndarray]
                 ) -> None:
-        stepped = len(proposal.aux_tokens) > 0
-        if stepped:
+        if len(proposal.aux_tokens):  # a window step
             self.windows += 1
             guesses = best(slice(-self.w, None))
             if len(self.levels) == self.n - 1:

@@ -1,13 +1,7 @@
-"""MultiDecode: several sequences decoded together, one TLM call per step, over one shared cache.
-
-Parallel sampling (`n` completions of one prompt, prefilled once) and several questions over one
-context (or several unrelated prompts) are requests of the engine (runtime/engine.py): every live
-branch feeds its newest token as one row of a single call, and each branch samples from its own
-row with its own random stream; a shared prompt or context is prefilled once and forked. Branch i
-of a request with seed s draws from default_rng(s + i) exactly as a single generation with seed
-s + i does, so it reproduces alone: `generate(art, prompt, do_sample=True, seed=s + i,
-speculative=False)`. Speculation is per sequence, so MultiDecode does not speculate; its speed
-comes from the branches sharing each call.
+"""MultiDecode: several sequences decoded together, one TLM call per step, over one shared cache
+(docs/runtime.md, "MultiDecode"): parallel sampling (branch i reproduces alone with seed + i) and
+questions over one context, as requests of the engine (runtime/engine.py). It does not speculate:
+the branches share each call instead.
 """
 
 from __future__ import annotations

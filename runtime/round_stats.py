@@ -37,7 +37,6 @@ class RoundStats:
     def summary(self, method: str, tlm_calls: int) -> dict:
         a = self.accepted / self.drafted if self.drafted else 0.0
         steps = self.rounds + self.plain_steps
-        tlm_step = self.tlm_s / max(steps, 1)
         score_step = self.score_s / max(self.rounds, 1)
         out = {
             "method": method,
@@ -55,7 +54,7 @@ class RoundStats:
             "drafting_rounds_draft_s": self.spec_draft_s,  # proposing, on the rounds that drafted
             "tlm_s": self.tlm_s,
             "host_s": self.round_s - self.draft_s - self.tlm_s,
-            "tlm_step_s": tlm_step,
+            "tlm_step_s": self.tlm_s / max(steps, 1),
             "tlm_score_step_s": score_step,
         }
         if method != "lookahead" and self.rounds:  # the i.i.d. chain model of shared/notes/spd-math.md

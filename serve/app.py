@@ -194,9 +194,6 @@ class Metrics:
         ]:
             yield GaugeMetricFamily(f"mxspd_{name}", text, value=value)
 
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class BodyLimit:
     """A request body over `limit` bytes is answered 413 before anything reads it: by its Content-Length,
@@ -309,7 +306,7 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def bounded(chars: int) -> None:
         if chars > most_chars:
@@ -407,17 +404,12 @@ async def _serve(art: Artifact, scheduler: Scheduler, body: Sampling, ids: list[
         running = len(outputs)
         while running:
             i, event = await events.get()
-            if event.finish is None:
-                outputs[i].add(event.token, event.logprob, reqs[i])
-            else:
-                outputs[i].end(event, reqs[i])
-                running -= 1
+            running -= outputs[i].take(event, reqs[i])
     except asyncio.CancelledError:
         for r in reqs:
             scheduler.cancel(r)
         raise
-    errors = [o.error for o in outputs if o.error]
-    if errors:
+    if errors := [o.error for o in outputs if o.error]:
         return _error(500, errors[0], "server_error")
     choices = [_choice(kind, i, o.text, o.finish, logprobs=o.report(0, chat)) for i, o in enumerate(outputs)]
     return {"object": kind, **meta, "choices": choices, "usage": _usage(len(ids), reqs, outputs)}
@@ -445,33 +437,28 @@ class _Output:
         self.reported = 0  # tokens whose logprobs went out in stream chunks
         self.prefix, self.begun = "", False
 
-    def begin(self, req: object) -> None:
-        """At the choice's first event: echo's prompt text and, with logprobs, its tokens' (the scheduler
-        has filled req.prompt_logprobs before any event)."""
-        self.begun = True
-        if self.echo:
-            self.prefix = self.text = self.pieces.tokenizer.decode(self.echo, skip_special_tokens=True)
-            if self.top is not None:
-                self._log(self.echo, [None, *req.prompt_logprobs])
-
     def _log(self, tokens: list[int], logprobs: list) -> None:
         self.tokens += tokens
         self.logprobs += logprobs
         self.texts += [self.pieces.tokenizer.decode([t]) for t in tokens]
 
-    def add(self, token: int, logprob: TokenLogprob | None, req: object) -> None:
+    def take(self, event: Event, req: object) -> bool:
+        """One event of the choice; True for its last. The first brings echo's prompt text and, with
+        logprobs, its tokens' (the scheduler has filled req.prompt_logprobs before any event)."""
         if not self.begun:
-            self.begin(req)
-        if self.top is not None:
-            self._log([token], [logprob])
-        else:
-            self.tokens.append(token)
-        if (piece := self.pieces.add(token)) is not None:
-            self.text += piece
-
-    def end(self, event: Event, req: object) -> None:
-        if not self.begun:
-            self.begin(req)
+            self.begun = True
+            if self.echo:
+                self.prefix = self.text = self.pieces.tokenizer.decode(self.echo, skip_special_tokens=True)
+                if self.top is not None:
+                    self._log(self.echo, [None, *req.prompt_logprobs])
+        if event.finish is None:
+            if self.top is not None:
+                self._log([event.token], [event.logprob])
+            else:
+                self.tokens.append(event.token)
+            if (piece := self.pieces.add(event.token)) is not None:
+                self.text += piece
+            return False
         self.finish, self.error = FINISH.get(event.finish, event.finish), event.error
         generated = self.tokens[len(self.echo or ()) if self.top is not None else 0:]
         self.text = self.pieces.tokenizer.decode(generated, skip_special_tokens=True)  # with a trailing partial
@@ -479,6 +466,7 @@ class _Output:
         if cuts:
             self.text = self.text[: min(cuts)]
         self.text = self.prefix + self.text
+        return True
 
     @property
     def generated(self) -> int:
@@ -513,13 +501,10 @@ class _Output:
 def _choice(kind: str, index: int, text: str, finish: str | None, delta: bool = False, first: bool = True,
             logprobs: dict | None = None) -> dict:
     """A choice of a response, or of a stream chunk (delta); a chat delta names the role in its first chunk only."""
-    if kind == "chat.completion":
-        if not delta:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
-        return {"index": index, "delta": {"role": "assistant", "content": text} if first else {"content": text},
-                "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    if kind != "chat.completion":
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    message = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta" if delta else "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _stream(scheduler: Scheduler, reqs: list, events: asyncio.Queue, outputs: list, kind: str, meta: dict,
@@ -535,11 +520,7 @@ async def _stream(scheduler: Scheduler, reqs: list, events: asyncio.Queue, outpu
                 batch.append(events.get_nowait())
             for i, event in batch:
                 out = outputs[i]
-                if event.finish is None:
-                    out.add(event.token, event.logprob, reqs[i])
-                else:
-                    out.end(event, reqs[i])
-                    running -= 1
+                running -= out.take(event, reqs[i])
                 if event.error:
                     error = {"error": {"message": event.error, "type": "server_error"}}
                     chunks.append(f"data: {json.dumps(error)}\n\n")

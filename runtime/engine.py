@@ -184,12 +184,6 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
 
-    def run(self) -> None:
-        """Step until every request has finished (the offline callers')."""
-        while self.busy:
-            self.admit()
-            self.step()
-
     def admit(self) -> None:
         """Move waiting requests in while the cache can hold all they may need."""
         if not self.waiting:

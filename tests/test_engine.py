@@ -25,6 +25,13 @@ def art(artifact_dir):
     return art
 
 
+def _run(engine: Engine) -> None:
+    """Step until every request has finished."""
+    while engine.busy:
+        engine.admit()
+        engine.step()
+
+
 def _alone(art, prompt, **kw):
     return runtime.generate(art, prompt, max_new_tokens=N, **kw).token_ids
 
@@ -58,7 +65,7 @@ def test_a_mixed_batch_equals_each_sequence_alone(art, monkeypatch):
     for r in reqs:
         engine.add([r])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     for i, prompt in enumerate(prompts):
         assert out[i] == _alone(art, prompt, speculative=False), i
     assert engine.stats["drafted"] > 0 and engine.stats["accepted"] > 0
@@ -126,7 +133,7 @@ def test_an_echo_whose_last_chunk_is_one_token_scores_the_whole_prompt(art):
     req.max_new_tokens = 0  # score the prompt only
     engine.add([req])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     events = list(req.events())
     assert events[-1].finish == "length" and len(req.prompt_logprobs) == len(prompt) - 1
     assert [lp.token for lp in req.prompt_logprobs] == prompt[1:]
@@ -152,7 +159,7 @@ def test_a_draft_models_nan_ends_only_its_own_request(art, monkeypatch):
     engine.add([good])
     engine.add([bad])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     *tokens, end = list(good.events())
     assert end.finish == "length" and [e.token for e in tokens] == good_out
     *tokens, end = list(bad.events())
@@ -175,7 +182,7 @@ def test_followers_of_a_leader_gone_before_its_prompt_was_in_follow_the_next(art
         while reqs[2].branch is None:
             engine.step()
         assert reqs[2].branch.order[: len(prompt)] == reqs[1].branch.order[: len(prompt)]  # its slots, forked
-        engine.run()
+        _run(engine)
     for r, s in zip(reqs[1:], (2, 3), strict=True):
         assert [e.token for e in r.events() if e.token is not None] == runtime.generate(
             art, prompt, max_new_tokens=N, do_sample=True, seed=s, speculative=False).token_ids
@@ -195,7 +202,7 @@ def test_a_server_lookahead_step_runs_whole_when_the_policy_takes_it(art, monkey
                         [lambda e: out.append(e.token) if e.token is not None else None], spec)[0]
     engine.add([req])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     assert out == _alone(art, REPEATS, speculative=False)
     assert req.drafter.windows > 0  # window steps ran (before the fix: a length of 1 made every step plain)
 
@@ -214,7 +221,7 @@ def test_the_shared_policy_is_told_how_many_live_requests_share_it(art, monkeypa
     for r in reqs:
         engine.add([r])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     assert told == [0, 1, 2] and len({id(r.policy) for r in reqs}) == 1
 
 
@@ -244,7 +251,7 @@ def test_only_verified_rounds_teach_the_draft_policy(art, monkeypatch):
     alone = engine_feeding(good_fed)
     alone.add(make_requests(art, good_prompt, [greedy], [None], spec))
     with art.exclusive():
-        alone.run()
+        _run(alone)
     fed_by_bad = _alone(art, bad_prompt, speculative=False)[2:-1]  # its output tokens that it feeds back
     poison = next((t for t in fed_by_bad if t not in good_fed and t not in bad_prompt), None)
     assert poison is not None, "no token the bad request alone feeds the target: choose other prompts"
@@ -257,7 +264,7 @@ def test_only_verified_rounds_teach_the_draft_policy(art, monkeypatch):
     engine.add([good])
     engine.add([bad])
     with art.exclusive():
-        engine.run()
+        _run(engine)
     assert good.policy is bad.policy  # one shared policy learned every round below
     assert [e.finish for e in good.events() if e.finish] == ["length"]
     (end,) = [e for e in bad.events() if e.finish]

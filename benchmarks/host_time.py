@@ -45,7 +45,7 @@ def measure(artifact: str, tokens: int) -> dict[str, dict[str, float]]:
             rates.append(result.metrics.decode_tokens_per_s)
             outside = result.metrics.total_s - (sum(m.call_s for m in runners) - seconds)
             host.append(outside / (sum(m.calls for m in runners) - calls) * 1e6)
-            per_token.append(outside / result.metrics.new_tokens * 1e6)
+            per_token.append(outside / max(result.metrics.new_tokens, 1) * 1e6)
         out[name] = {"tok_s": statistics.median(rates), "host_us": statistics.median(host),
                      "host_us_token": statistics.median(per_token)}
     return out

@@ -56,7 +56,7 @@ class Forest:
 
     def _check_writer(self) -> None:
         """Forget the cached prefixes if anything else changed the runner's cache since this forest did
-        (a speculative generation, beam search, another forest, a rewind): their slots hold other KV now."""
+        (beam search, another forest, `ModelRunner.forget()`): their slots hold other KV now."""
         if self.runner.writes != self._writes:
             if self.live:
                 raise RuntimeError("the KV cache changed under live branches: one runner, one writer at a time")
@@ -72,6 +72,9 @@ class Forest:
         self.max_rows = self._largest
         try:
             return branch, self.extend([branch], [list(prompt)])[0]
+        except BaseException:
+            self.release(branch)  # no half-made branch stays live
+            raise
         finally:
             self.max_rows = cap
 
@@ -204,7 +207,10 @@ class Forest:
             cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
             wanted = rows[rows >= first_kept[o]]
             graph = self._chunk_graph(graph, bool((wanted == rows[-1]).all()))
-            logits = self._run(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, fetch)
+            if len(wanted):
+                logits = self._run(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, fetch)
+            else:  # a prompt's earlier chunk: no logits brought to the host
+                self.runner.run_rows(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, False)
             self.runner.store(rows - rows[0], slots[rows])
             for r in wanted:
                 out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0] if len(logits) == n else 0]

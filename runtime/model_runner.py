@@ -69,7 +69,7 @@ class ModelRunner:
         self.calls = 0  # graph runs, for metrics
         self.writes = 0  # changes to the cache's contents (a forest's prefix cache checks it is the writer)
         self.call_s = 0.0  # seconds inside graph runs, inputs and logits transfers included (host overhead = rest)
-        self._last: BoundGraph | None = None  # the graph of the last run, whose new KV commit reads
+        self._last: BoundGraph | None = None  # the graph of the last run, whose new KV `store` reads
         self._first = self._rows = 0  # the last run's first row in its graph, and its rows of logits
         with parked_pools():
             self.graphs = {name: self.place.open(name, Path(artifact_dir) / g.file, g.tokens)
@@ -125,7 +125,7 @@ class ModelRunner:
 
     def _every_row(self) -> list[tuple[str, GraphEntry]]:
         """The graphs that return every row's logits, which any call may run (PREFILL_LAST returns the last
-        row's alone: `prefill` and the forest's prompt chunks run it in PREFILL's place, as `prefill_graph`)."""
+        row's alone: a forest's prompt chunks run it in PREFILL's place, as `prefill_graph`)."""
         return [(name, g) for name, g in self.entries.items() if graph_io.logit_rows(name, g.tokens) == g.tokens]
 
     def run_rows(self, graph: str, tokens: np.ndarray, cache_sees: np.ndarray, sees: np.ndarray,

@@ -101,7 +101,7 @@ def test_greedy_steps_without_logits_give_the_same_tokens(art, artifact_dir, met
 
 
 def test_the_prefix_cache_is_forgotten_when_something_else_writes_the_cache(art):
-    """A generation's KV stays for the next (a chat's earlier turns); beam search, a rewind or another
+    """A generation's KV stays for the next (a chat's earlier turns); beam search, `forget()` or another
     writer of the runner's cache makes the engine forget it rather than attend to other tokens' KV."""
     prompt = [0, *range(30, 60)]
     first = runtime.generate(art, prompt, max_new_tokens=N, speculative=False)

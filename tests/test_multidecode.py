@@ -299,6 +299,20 @@ def test_forest_misuse_is_refused(art):
         Forest(art.tlm, max_rows=999)
 
 
+def test_a_root_beside_live_branches_takes_free_slots_and_gives_a_chain_forwards_logits(art):
+    """A prompt rooted while other branches live goes into free slots (theirs stay theirs) and gets the
+    logits a plain chain forward gives; a root whose prefill fails leaves no branch behind."""
+    forest, prompt = Forest(art.tlm), np.array(PROMPT[::-1])
+    other, _ = forest.root(np.array(PROMPT))
+    branch, logits = forest.root(prompt)
+    assert not set(branch.order) & set(other.order) and len(branch.order) == len(prompt)
+    ref = ModelRunner(art.path, art.manifest.models["tlm"], art.manifest.capacity)
+    np.testing.assert_allclose(logits, _chain(ref, list(prompt)), atol=2e-4, rtol=1e-4)
+    with pytest.raises(CapacityError):
+        forest.root(np.zeros(art.manifest.capacity, np.int64))
+    assert forest.live == [other, branch]
+
+
 def test_beam_search_on_the_default_pair_equals_transformers(default_pair):
     target = default_pair["fp32"]
     model = _hf(builtin_model_dir("stdlib-tlm"))

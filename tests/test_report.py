@@ -307,10 +307,11 @@ def test_rows_take_turns_at_each_position(monkeypatch):
     first once and right after each other row once (what a row inherits from the one before it, caches
     and the box's drift, is spread over all of them)."""
     calls: list[object] = []
+    forgotten: list[int] = []
 
     class Runner:
         def forget(self) -> None:
-            pass
+            forgotten.append(1)
 
     class Art:
         runners = {"tlm": Runner(), "dlm": Runner()}
@@ -324,6 +325,7 @@ def test_rows_take_turns_at_each_position(monkeypatch):
     prompts = ["p0", "p1", "p2", "p3"]
     runs = report.run_all({"x": Art(), "y": Art()}, rows, prompts, None, warmup=0, repeats=1)
     assert {name: [r for _, r in got] for name, got in runs.items()} == {name: prompts for name in rows}
+    assert len(forgotten) == 2 * len(calls)  # every run cold: both models' caches forgotten first
     rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
     pairs = [(r[j], r[j + 1]) for r in rounds for j in range(3)]
     assert len({r[0] for r in rounds}) == 4 and len(set(pairs)) == len(pairs) == 12

@@ -142,11 +142,17 @@ def test_bad_method_settings_are_clear_errors(tlm_only, kwargs, word):
         runtime.generate(tlm_only, [0, 5], max_new_tokens=3, **kwargs)
 
 
+def _pinned_costs(art, monkeypatch) -> None:
+    """Costs that grow with the rows, as the policy prices every call (not this process's timings of a tiny
+    model's calls, mostly noise: they could make a 13-row step cheaper as two calls, or drafting look dear
+    on a busy machine)."""
+    entries = {name: replace(e, cost_ms=1.0 + e.tokens / 100) for name, e in art.tlm.entries.items()}
+    monkeypatch.setattr(art.tlm, "entries", entries)
+    monkeypatch.setattr(art.tlm.costs, "ms", lambda graph, adapt=True, warm=True: entries[graph].cost_ms)
+
+
 def test_metrics_of_the_draft_free_methods(tlm_only, monkeypatch):
-    # costs that grow with the rows: every step is one call (the build's timings of this tiny model's calls are
-    # mostly noise, and could make a 13-row step cheaper as two calls)
-    entries = {name: replace(e, cost_ms=1.0 + e.tokens / 100) for name, e in tlm_only.tlm.entries.items()}
-    monkeypatch.setattr(tlm_only.tlm, "entries", entries)
+    _pinned_costs(tlm_only, monkeypatch)  # every step is one call
     prompt = [0, *[5, 6, 7] * 5, 5]
     for method in METHODS:
         r = runtime.generate(tlm_only, prompt, max_new_tokens=30, speculative=method, **{method: METHODS[method][0]})
@@ -161,8 +167,9 @@ def test_metrics_of_the_draft_free_methods(tlm_only, monkeypatch):
             assert s["lookahead_steps"] == s["rounds"]  # window steps are rounds, even without candidates
 
 
-def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generation(tlm_only):
+def test_kept_policies_are_per_settings_and_halve_their_history_once_per_generation(tlm_only, monkeypatch):
     art = tlm_only
+    _pinned_costs(art, monkeypatch)  # prompt lookup drafts on the repeats, however busy the machine
     engine = engine_of(art)
     engine.policies.clear()
     for window, guesses in ((2, 1), (1, 2)):  # the same T = 7, different methods

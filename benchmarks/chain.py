@@ -1,12 +1,12 @@
 """One sequence in a runner's cache slots 0..: the plain calls with which tests and benchmarks check and
 time a chosen graph. (The runtime drives the cache through a forest of branches, runtime/forest.py,
-whose plan chooses the graphs.)"""
+whose plan chooses the graphs; a prompt goes through it here too.)"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from common import graph_io
+from runtime.forest import Forest
 from runtime.model_runner import ModelRunner
 
 
@@ -14,12 +14,11 @@ class Chain:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner, self.length = runner, 0
 
-    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None, fetch: bool = True
-            ) -> np.ndarray | None:
-        """`tokens` as new rows after the `length` committed slots; their logits [n, V] (None with fetch=False).
-        `sees` (bool [n, n]): the new rows each row sees (default: causal). Nothing is committed."""
+    def run(self, graph: str, tokens: np.ndarray, sees: np.ndarray | None = None) -> np.ndarray:
+        """`tokens` as new rows after the `length` committed slots; their logits [n, V]. `sees` (bool [n, n]):
+        the new rows each row sees (default: causal). Nothing is committed."""
         sees = np.tri(len(tokens), dtype=bool) if sees is None else sees
-        return self.runner.run_rows(graph, tokens, np.arange(self.runner.context) < self.length, sees, fetch=fetch)
+        return self.runner.run_rows(graph, tokens, np.arange(self.runner.context) < self.length, sees)
 
     def commit(self, rows: list[int] | np.ndarray) -> None:
         """Append the KV of these rows of the last `run` (the root and an accepted path, say) to the sequence."""
@@ -29,9 +28,9 @@ class Chain:
         self.runner.store(rows, np.arange(self.length, self.length + len(rows)))
         self.length += len(rows)
 
-    def forward(self, graph: str, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
+    def forward(self, graph: str, tokens: np.ndarray) -> np.ndarray:
         """Run a chain of tokens and commit all of them; their logits [n, V]."""
-        logits = self.run(graph, tokens, fetch=fetch)
+        logits = self.run(graph, tokens)
         self.commit(np.arange(len(tokens)))
         return logits
 
@@ -41,16 +40,15 @@ class Chain:
             raise ValueError(f"cannot rewind to {length} (valid length {self.length})")
         self.length = length
 
-    def prefill(self, tokens: np.ndarray, fetch: bool = True) -> np.ndarray | None:
-        """Run a prompt after the committed slots in the runtime's cheapest calls; its last token's logits."""
-        s, logits, plan = 0, None, self.runner.plan(len(tokens), last_row=True)
-        for i, (graph, n) in enumerate(plan):
-            graph = self.runner.prefill_graph if graph == graph_io.PREFILL else graph
-            logits = self.forward(graph, tokens[s : s + n], fetch=fetch and i == len(plan) - 1)
-            s += n
-        return None if logits is None else logits[-1]
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+        """Run a prompt after the committed slots as the runtime does (a forest's plan of calls); its last
+        token's logits."""
+        forest = Forest(self.runner)
+        logits = forest.extend([forest.attach(list(range(self.length)))], [list(tokens)])[0]
+        self.length += len(tokens)
+        return logits
 
-    def start(self, prompt: np.ndarray, fetch: bool = True) -> np.ndarray | None:
+    def start(self, prompt: np.ndarray) -> np.ndarray:
         """Begin again in slot 0: prefill `prompt`; its last token's logits."""
         self.rewind(0)
-        return self.prefill(prompt, fetch)
+        return self.prefill(prompt)

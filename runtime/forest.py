@@ -207,10 +207,11 @@ class Forest:
             cache_sees[:, slots[: rows[0]]] |= every[rows, : rows[0]]  # rows of earlier calls, in their slots
             wanted = rows[rows >= first_kept[o]]
             graph = self._chunk_graph(graph, bool((wanted == rows[-1]).all()))
+            own = every[rows[0] : s, rows[0] : s]
             if len(wanted):
-                logits = self._run(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, fetch)
+                logits = self._run(graph, tokens[rows], cache_sees, own, check, fetch)
             else:  # a prompt's earlier chunk: no logits brought to the host
-                self.runner.run_rows(graph, tokens[rows], cache_sees, every[rows[0] : s, rows[0] : s], check, False)
+                self.runner.run_rows(graph, tokens[rows], cache_sees, own, check, fetch=False)
             self.runner.store(rows - rows[0], slots[rows])
             for r in wanted:
                 out[owner[r]][r - first_kept[owner[r]]] = logits[r - rows[0] if len(logits) == n else 0]

@@ -101,11 +101,19 @@ def plan_calls(graphs: dict[str, tuple[int, float]], rows: int, max_rows: int | 
     """The cheapest sequence of calls that runs `rows` new rows, at most `max_rows` per call: (graph,
     rows it takes) per call, from each graph's (T, measured cost of one call). 20 rows in two calls
     of T = 13 and 9 can cost less than one call of T = 64. Without measured costs (any cost 0): the
-    fewest calls, as `fitting_graph` picks them. Batch-invariant graphs give the same bits however
-    the rows are split. Plans are remembered (a decode loop asks for the same few sizes)."""
+    fewest calls, as `fitting_graph` picks them. A graph of fewer rows is taken to cost no more than
+    one of more rows (which could run its rows), and ties go to the smaller: measured on a busy
+    machine, decode (T = 1) once cost 6.6 ms against a 3-row graph's 6.1, and every greedy token
+    ran 3 rows. Batch-invariant graphs give the same bits however the rows are split. Plans are
+    remembered (a decode loop asks for the same few sizes)."""
     if rows < 1:
         raise ValueError(f"a call needs at least one row, got {rows}")
-    return list(_plan(tuple(sorted(graphs.items())), rows, max_rows))
+    capped, least = {}, np.inf
+    for name, (t, cost) in sorted(graphs.items(), key=lambda g: (-g[1][0], -g[1][1])):  # largest first
+        least = min(least, cost)
+        capped[name] = (t, least)
+    first = sorted(capped, key=lambda name: (graphs[name][0], graphs[name][1], name))  # on a tie: fewer rows, cheaper
+    return list(_plan(tuple((name, capped[name]) for name in first), rows, max_rows))
 
 
 @functools.lru_cache(maxsize=4096)

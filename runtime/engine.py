@@ -439,7 +439,7 @@ class Engine:
             for req, p in zip(group, proposals, strict=True):
                 if p is None:
                     self._finish(req, "error", NON_FINITE.replace("model", "draft model"))
-                elif req.spec is None and 1 + len(p.tokens) + len(p.aux_tokens) > forest.free_slots():
+                elif req.spec is None and not forest.fits(1 + len(p.tokens) + len(p.aux_tokens)):
                     out[id(req)] = NONE  # a generation's drafts take slots until verified: near a full cache, plainly
                 else:
                     out[id(req)] = p

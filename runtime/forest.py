@@ -116,6 +116,11 @@ class Forest:
         """Slots no live branch sees (cached ones included: they are given back on demand)."""
         return int((~self.pinned()).sum())
 
+    def fits(self, n: int) -> bool:
+        """Whether n new tokens find free slots (counted only when the live branches' lengths, which
+        bound the slots they see, leave fewer: a step asks for each request's drafts)."""
+        return self.runner.context - sum(b.length for b in self.live) >= n or self.free_slots() >= n
+
     def pinned(self) -> np.ndarray:
         used = np.zeros(self.runner.context, dtype=bool)
         for b in self.live:
@@ -224,8 +229,12 @@ class Forest:
             raise ValueError("trim: the branch does not hold every one of these slots")
         branch.view[slots] = False
         self._low = min(self._low, int(slots.min(initial=self._low)))
-        gone = set(slots.tolist())
-        branch.order = [s for s in branch.order if s not in gone]
+        gone, order = set(slots.tolist()), branch.order
+        first, left = len(order), len(gone)
+        while left:  # the earliest of them, looked for from the end: drafts are the newest tokens
+            first -= 1
+            left -= order[first] in gone
+        order[first:] = [s for s in order[first:] if s not in gone]
 
     def _allocate(self, n: int) -> np.ndarray:
         """The n lowest free slots, in order. A few tokens of a few branches (a decode step, a round) try the

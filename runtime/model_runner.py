@@ -15,7 +15,6 @@ device, committing moving KV there, each fixed-shape graph replayed as one CUDA 
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -76,7 +75,7 @@ class ModelRunner:
                            for name, g in entry.graphs.items()}
         self.entries = entry.graphs  # the compiler's measured cost of each graph's call, for plan()
         self.costs = GraphCosts(lambda graph: self.entries[graph].cost_ms or 1.0)  # as this process times them
-        self._planned_for: tuple[GraphEntry, ...] = ()
+        self._planned_for: dict[str, GraphEntry] = {}
         self._plans: dict[tuple[int, int | None, bool], list[tuple[str, int]]] = {}
         # every graph returns its rows' greedy tokens (a device target's: compiler/greedy_outputs.py), so greedy
         # decoding runs with fetch=False and reads `argmax()`, never the logits
@@ -110,11 +109,9 @@ class ModelRunner:
         `last_row`: only the last row's logits are wanted (a prompt), so PREFILL's calls run and are priced as
         `prefill_graph` (its LM head on one row: a 128-row MXFP4 chunk at 1B widths costs 0.84x its every-row
         twin, which the plan needs to know, or 8-row calls that compute 8 rows' logits each look cheaper).
-        Remembered per row count while the graphs' entries stay the same objects (a step asks every time)."""
-        entries = tuple(self.entries.values())
-        same = len(entries) == len(self._planned_for) and all(map(operator.is_, entries, self._planned_for))
-        if not same:
-            self._planned_for, self._plans = entries, {}
+        Remembered per row count while `entries` stays the same dict (a step asks every time)."""
+        if self.entries is not self._planned_for:
+            self._planned_for, self._plans = self.entries, {}
         key = (rows, max_rows, last_row)
         if key not in self._plans:
             costs = {name: (g.tokens, g.cost_ms) for name, g in self._every_row()}

@@ -150,6 +150,17 @@ def test_trimmed_tokens_are_forgotten(art):
     np.testing.assert_array_equal(straight, again)
 
 
+def test_a_trim_keeps_the_other_tokens_in_order(art):
+    """Rejected rows may lie between kept ones (a token tree's siblings, lookahead's window): the branch's
+    order loses just those slots, the rest in place."""
+    forest = Forest(art.tlm)
+    branch, _ = forest.root(np.array([0, 70, 71]))
+    _, (slots,) = forest.extend_rows([branch], [[80, 81, 82, 83, 84]], [1])
+    before, gone = list(branch.order), slots[[1, 3]]
+    forest.trim(branch, gone)
+    assert branch.order == [s for s in before if s not in gone.tolist()] and branch.length == len(before) - 2
+
+
 def test_sessions_spin_within_a_call_only(art):
     """Idle spinning pools steal the cores from the next session's call; pools that never spin wake
     their threads op by op (docs/benchmarks.md)."""

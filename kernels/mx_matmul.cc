@@ -1061,7 +1061,7 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<
 
 // ---- AVX-512, many rows (prefill, a server's batched step): each weight decoded once per call ------
 // A task takes two column groups and walks K in tiles of kTileBlocks blocks: it decodes a tile's blocks
-// once (16 KiB of int16 or 8 KiB of int8, which stay in L1 while every row passes over them), then passes
+// once (16 KiB of int16 or int8 codes, which stay in L1 while every row passes over them), then passes
 // over them for every kGemmRows rows, each pass's float accumulators carried from tile to tile in y.
 // (Decoding all of K at once left 256-688 KiB to stream from L2 in every pass: the tiles made the path
 // 1.26-1.36x faster at 128 rows of Llama-2-7B's MLP shapes on an Intel Xeon, docs/benchmarks.md.) Two
@@ -1076,7 +1076,11 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<
 // same as on the other paths: the same bits whatever the path (batch invariance).
 
 constexpr int kGemmRows = 6;     // rows per pass: 6 x 2 groups of integer sums and float accumulators
-constexpr int kTileBlocks = 8;   // K blocks decoded at a time: 2 KiB (int16) per block for a group pair
+// K blocks decoded at a time: 16 KiB of a group pair's codes either way (int16: 2 KiB a block). int8 was 8
+// blocks too: 16 made 128 rows 1.02-1.05x faster at Llama-2-7B's MLP shape and 64 rows of SmolLM2's 1.04-1.16x
+// on a Zen 5 (fewer passes, each loading and storing its float accumulators once per tile; docs/benchmarks.md).
+template <bool Int8>
+constexpr int kTileBlocks = Int8 ? 16 : 8;
 // Calls with at least this many rows take this path: where it was faster on an Intel Xeon at Llama-2-7B's
 // shapes (MXFP6 1.19-1.24x at 16 and 20 rows, mixed at 12; MXINT8, whose chunks cost the one-row kernel
 // only a widening, 0.99-1.16x at 32 rows, slower at 16).
@@ -1102,9 +1106,9 @@ constexpr int kPairBytes8 = 2 * 64;  // as int8: [g0, g1] x 16 columns x 4 codes
 // start, -128 x each column's code sum [count, 2 groups, 16 columns].
 template <bool Int8>
 struct Tile512 {
-  alignas(64) std::conditional_t<Int8, int8_t, int16_t> codes[kTileBlocks * kChunks * (Int8 ? kPairBytes8 : kPairShorts)];
-  alignas(64) float ws[kTileBlocks * 2 * kGroup];
-  alignas(64) int32_t start[Int8 ? kTileBlocks * 2 * kGroup : 1];
+  alignas(64) std::conditional_t<Int8, int8_t, int16_t> codes[kTileBlocks<Int8> * kChunks * (Int8 ? kPairBytes8 : kPairShorts)];
+  alignas(64) float ws[kTileBlocks<Int8> * 2 * kGroup];
+  alignas(64) int32_t start[Int8 ? kTileBlocks<Int8> * 2 * kGroup : 1];
 };
 
 // Blocks b0 .. b0 + count - 1 of groups g0 (and g0 + 1), decoded into t.
@@ -1219,8 +1223,8 @@ void gemm_tile(void* user, size_t index) {
   const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
   thread_local Tile512<Int8> t;
   const int64_t passes = (p.m + kGemmRows - 1) / kGemmRows;
-  for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks) {
-    const int64_t count = std::min<int64_t>(kTileBlocks, p.kb - b0);
+  for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks<Int8>) {
+    const int64_t count = std::min<int64_t>(kTileBlocks<Int8>, p.kb - b0);
     decode_pair(p, g0, groups, b0, count, t);
     for (int64_t i = 0, row = 0; i < passes; ++i) {
       const int64_t rows = (p.m - row) / (passes - i);

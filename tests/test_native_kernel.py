@@ -232,22 +232,22 @@ def test_every_path_gives_the_same_bits(tmp_path):
     weight formats and MXFP4, MXFP6 in every layout, both activation widths, every row count from 1 to 25 and two
     beyond (AVX-512 passes take 1 to 12 rows, AVX2 ones 1 to 6; from 16 rows for MXFP6 and 32 for MXINT8
     (int8 activations: 12, 24, and 64 for MXFP4) the AVX-512 path decodes each weight once per call, 8 blocks
-    of K at a time: K = 300 is a whole tile and a partial one), odd and even column counts, MXINT8's code
-    -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU without
-    AVX-512 VNNI and VBMI the first two runs take the same path.)"""
+    of K at a time, 16 with int8 activations: K = 600 is whole tiles and a partial one), odd and even column
+    counts, MXINT8's code -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU
+    without AVX-512 VNNI and VBMI the first two runs take the same path.)"""
     rng = np.random.default_rng(6)
     # (weight bits, activation bits, layout); the codes of case i % 4 (then MXFP6 in PLANES, and int8 in PLANES8)
     cases = [*((w, a, TRIPLES) for w, a in itertools.product((6, 8), (16, 8))), (6, 16, PLANES), (6, 8, PLANES),
              (6, 8, PLANES8), (4, 8, PLANES8)]
     for i, (wbits, bits, layout) in enumerate(cases):
-        codes, exps = random_mx(300, 33, seed=i % 4 if i < 6 else 1, wbits=wbits)  # 33 columns: pairs and an odd one
+        codes, exps = random_mx(600, 33, seed=i % 4 if i < 6 else 1, wbits=wbits)  # 33 columns: pairs and an odd one
         if wbits == 8:
             codes[5, 3] = -128
         exps[1, 7] = 255  # NaN scale: column 7's outputs are NaN
         exps[:, 9] = 0  # subnormal scales (the vector paths' table lookup): column 9's outputs are subnormal
-        onnx.save(mx_matmul_model(codes, exps, bits, [None, 300], layout, wbits), tmp_path / f"{i}.onnx")
+        onnx.save(mx_matmul_model(codes, exps, bits, [None, 600], layout, wbits), tmp_path / f"{i}.onnx")
     for rows in ROW_COUNTS:
-        a = rng.standard_normal((rows, 300)).astype(np.float32)
+        a = rng.standard_normal((rows, 600)).astype(np.float32)
         a[0, 32:64] = 0.0
         a[-1, 70] = np.nan if rows > 2 else a[-1, 70]
         np.save(tmp_path / f"a{rows}.npy", a)

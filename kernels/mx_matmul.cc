@@ -249,6 +249,21 @@ struct Activations {
     }
   }
 
+  // The exponent fields of the scales, lowest and highest (for exponent_products); false where one is not a
+  // normal float (a block of zeros, NaN from non-finite activations, or subnormal).
+  bool scale_exponents(int* lowest, int* highest) const {
+    int lo = 255, hi = 0;
+    for (const float v : scale) {
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      const int e = static_cast<int>(bits >> 23);  // the sign is 0: absmax / qmax
+      if (e == 0 || e == 255) return false;
+      lo = std::min(lo, e), hi = std::max(hi, e);
+    }
+    *lowest = lo, *highest = hi;
+    return true;
+  }
+
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
     float amax = 0.0f;
     bool finite = true;
@@ -312,6 +327,10 @@ struct Problem {
   Layout layout;      // of MXFP6 weights (MXFP4: planes8's positions)
   const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where the few-row int8 loop on AVX-512 reads them
   const int32_t* xt = nullptr;  // [KB, M]: each block's sum of them
+  // The exponent fields of the call's activation scales, where all are normal floats (xs_normal): the
+  // AVX-512 many-row path's exponent products.
+  bool xs_normal = false;
+  int xs_lowest = 0, xs_highest = 0;
 
   const int16_t* x(int64_t row, int64_t b) const { return xq + (b * m + row) * kBlock; }
   const float* x_scale(int64_t row, int64_t b) const { return xs + b * m + row; }
@@ -1109,14 +1128,19 @@ struct Tile512 {
   alignas(64) std::conditional_t<Int8, int8_t, int16_t> codes[kTileBlocks<Int8> * kChunks * (Int8 ? kPairBytes8 : kPairShorts)];
   alignas(64) float ws[kTileBlocks<Int8> * 2 * kGroup];
   alignas(64) int32_t start[Int8 ? kTileBlocks<Int8> * 2 * kGroup : 1];
+  int e8_lowest, e8_highest;  // its E8M0 scale bytes' range
 };
 
 // Blocks b0 .. b0 + count - 1 of groups g0 (and g0 + 1), decoded into t.
 template <int WBits, bool Int8>
 __attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>& p, int64_t g0, int groups,
                                                            int64_t b0, int64_t count, Tile512<Int8>& t) {
+  __m128i lowest = _mm_set1_epi8(-1), highest = _mm_setzero_si128();
   for (int64_t b = 0; b < count; ++b)
     for (int h = 0; h < groups; ++h) {
+      const __m128i e8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.exponents(g0 + h, b0 + b)));
+      const __mmask16 real = static_cast<__mmask16>((1u << p.columns(g0 + h)) - 1);  // a padded column's is 0
+      lowest = _mm_mask_min_epu8(lowest, real, lowest, e8), highest = _mm_mask_max_epu8(highest, real, highest, e8);
       _mm512_store_ps(t.ws + (2 * b + h) * kGroup, scales_avx512<WBits>(p.exponents(g0 + h, b0 + b)));
       const uint8_t* blk = p.block(g0 + h, b0 + b);
       prefetch_ahead<WBits, 4096>(blk);
@@ -1136,11 +1160,27 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void decode_pair(const Problem<WBits>
       }
       if constexpr (Int8) _mm512_store_si512(t.start + (2 * b + h) * kGroup, _mm512_sub_epi32(_mm512_setzero_si512(), code_sums));
     }
+  alignas(16) uint8_t lo[16], hi[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lo), lowest);
+  _mm_store_si128(reinterpret_cast<__m128i*>(hi), highest);
+  t.e8_lowest = *std::min_element(lo, lo + 16), t.e8_highest = *std::max_element(hi, hi + 16);
+}
+
+// The float step's product ws * xs as an integer add ("exponent products"): ws is a power of two, so where ws,
+// xs and their product are normal floats, the product's bits are xs's plus ws's less the exponent bias: one
+// vpaddd, where vmulps shares vpdpbusd's two pipes (benchmarks.issue_rate's `mx block`: its rate 1.16x with
+// vpaddd on a Zen 5). Taken per tile where the call's activation scales (none zero: a block of zeros is
+// rare) and the tile's weight scales keep every product a normal float; else vmulps: the same bits.
+template <int WBits, bool Int8>
+bool exponent_products(const Problem<WBits>& p, const Tile512<Int8>& t) {
+  constexpr int bias = 127 + kScaleShift<WBits>;  // ws = 2^(e8 - bias)
+  return p.xs_normal && t.e8_lowest > kScaleShift<WBits> && t.e8_highest < 255 &&
+         p.xs_lowest + t.e8_lowest - bias >= 1 && p.xs_highest + t.e8_highest - bias <= 254;
 }
 
 // Rows row0 .. row0 + Rows - 1 over blocks b0 .. b0 + count - 1 (decoded in t), their accumulators read
 // from y unless b0 is the first block, written back to y.
-template <int WBits, bool Int8, int Rows, int Groups>
+template <int WBits, bool Int8, int Rows, int Groups, bool Exp>
 __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& p, int64_t g0, const Tile512<Int8>& t,
                                                          int64_t row0, int64_t b0, int64_t count) {
   __m512 acc[Rows][Groups];
@@ -1196,19 +1236,25 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& 
     const float* xs = p.x_scale(row0, b);
     for (int h = 0; h < Groups; ++h) {
       const __m512 scale = _mm512_load_ps(t.ws + (2 * (b - b0) + h) * kGroup);
-      for (int r = 0; r < Rows; ++r)
-        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])),
-                                    acc[r][h]);
+      const __m512i unbiased = _mm512_sub_epi32(_mm512_castps_si512(scale), _mm512_set1_epi32(127 << 23));
+      for (int r = 0; r < Rows; ++r) {
+        __m512 product;
+        if constexpr (Exp)
+          product = _mm512_castsi512_ps(_mm512_add_epi32(unbiased, _mm512_castps_si512(_mm512_set1_ps(xs[r]))));
+        else
+          product = _mm512_mul_ps(scale, _mm512_set1_ps(xs[r]));
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), product, acc[r][h]);
+      }
     }
   }
   for (int h = 0; h < Groups; ++h)
     for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * p.n + (g0 + h) * kGroup, valid[h], acc[r][h]);
 }
 
-template <int WBits, bool Int8, int Groups, size_t... Rows>
+template <int WBits, bool Int8, int Groups, bool Exp, size_t... Rows>
 constexpr auto gemm_by_rows(std::index_sequence<Rows...>) {
   using Pass = void (*)(const Problem<WBits>&, int64_t, const Tile512<Int8>&, int64_t, int64_t, int64_t);
-  return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, Int8, static_cast<int>(Rows + 1), Groups>...};
+  return std::array<Pass, sizeof...(Rows)>{gemm_pass<WBits, Int8, static_cast<int>(Rows + 1), Groups, Exp>...};
 }
 
 // One task of the many-row path: column groups 2i and 2i + 1 (the last alone where their count is odd),
@@ -1217,8 +1263,11 @@ constexpr auto gemm_by_rows(std::index_sequence<Rows...>) {
 template <int WBits, bool Int8>
 void gemm_tile(void* user, size_t index) {
   const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
-  static constexpr auto two = gemm_by_rows<WBits, Int8, 2>(std::make_index_sequence<kGemmRows>());
-  static constexpr auto one = gemm_by_rows<WBits, Int8, 1>(std::make_index_sequence<kGemmRows>());
+  static constexpr std::array<decltype(gemm_by_rows<WBits, Int8, 1, false>(std::make_index_sequence<kGemmRows>())), 4>
+      passes_by{gemm_by_rows<WBits, Int8, 1, false>(std::make_index_sequence<kGemmRows>()),
+                gemm_by_rows<WBits, Int8, 2, false>(std::make_index_sequence<kGemmRows>()),
+                gemm_by_rows<WBits, Int8, 1, true>(std::make_index_sequence<kGemmRows>()),
+                gemm_by_rows<WBits, Int8, 2, true>(std::make_index_sequence<kGemmRows>())};  // [2 exp + groups - 1]
   const int64_t g0 = 2 * static_cast<int64_t>(index);
   const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
   thread_local Tile512<Int8> t;
@@ -1226,9 +1275,10 @@ void gemm_tile(void* user, size_t index) {
   for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks<Int8>) {
     const int64_t count = std::min<int64_t>(kTileBlocks<Int8>, p.kb - b0);
     decode_pair(p, g0, groups, b0, count, t);
+    const auto& pass = passes_by[2 * exponent_products(p, t) + groups - 1];
     for (int64_t i = 0, row = 0; i < passes; ++i) {
       const int64_t rows = (p.m - row) / (passes - i);
-      (groups == 2 ? two : one)[rows - 1](p, g0, t, row, b0, count);
+      pass[rows - 1](p, g0, t, row, b0, count);
       row += rows;
     }
   }
@@ -1310,6 +1360,8 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
   // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
   const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
   const bool many8 = m >= kGemmMinRows8<WBits>;
+  if (wide && (activation_bits == 8 ? many8 : m >= kGemmMinRows<WBits>))
+    p.xs_normal = x.scale_exponents(&p.xs_lowest, &p.xs_highest);
   if (wide && activation_bits == 8 && many8) {
     x.bias();
     p.xu = x.biased.data();

@@ -270,6 +270,39 @@ def test_every_path_gives_the_same_bits(tmp_path):
 
 
 @needs_library
+def test_scale_products_by_exponent_give_the_multiply_s_bits(tmp_path):
+    """The AVX-512 many-row path forms a block's ws * xs by an integer add on the exponents where the call's
+    activation scales and a tile's weight scales keep every product a normal float, else by a multiply
+    (kernels/mx_matmul.cc, exponent_products): both must give the other paths' bits. 64 rows (every width's
+    many-row path) whose blocks span 2^-90 .. 2^90, none zero; columns 0-31 with scales near 1 (a tile that
+    adds), 32-63 with tiny ones and 64-79 with huge ones (their products leave the normal range: they
+    multiply). (An add that is off by one exponent fails it.)"""
+    rng = np.random.default_rng(12)
+    a = (rng.standard_normal((64, 600)) * np.exp2(rng.integers(-90, 91, (64, 19))).repeat(32, axis=1)[:, :600])
+    np.save(tmp_path / "a.npy", a.astype(np.float32))
+    amax = np.abs(np.pad(a, ((0, 0), (0, 8))).reshape(64, 19, 32)).max(axis=2)
+    cases = [(6, 8, TRIPLES), (6, 16, TRIPLES), (8, 8, TRIPLES), (4, 8, PLANES8)]
+    for i, (wbits, bits, layout) in enumerate(cases):
+        codes, exps = random_mx(600, 80, seed=i, wbits=wbits)
+        exps[:, 32:64] = rng.integers(8, 16, (len(exps), 32))
+        exps[:, 64:] = rng.integers(236, 244, (len(exps), 16))
+        onnx.save(mx_matmul_model(codes, exps, bits, [64, 600], layout, wbits), tmp_path / f"{i}.onnx")
+        xs = amax / (2.0 ** (bits - 1) - 1)
+        ws = np.exp2(exps.astype(np.float64) - 127 - {6: 3, 4: 1, 8: 0}[wbits])
+        products = [xs[:, :, None] * ws[None, :, cols] for cols in (slice(0, 32), slice(32, 64), slice(64, 80))]
+        normal = [(np.finfo(np.float32).tiny <= p) & (p <= np.finfo(np.float32).max) for p in products]
+        assert normal[0].all() and not normal[1].all() and not normal[2].all()  # one tile adds, two multiply
+    code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
+            "d = pathlib.Path(sys.argv[1]); a = np.load(d / 'a.npy');"
+            f"[sys.stdout.buffer.write(ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2))"
+            f".run(None, {{'a': a}})[0].tobytes()) for i in range({len(cases)})]")
+    outs = every_path(code, str(tmp_path))
+    assert len(outs[0]) == len(cases) * 64 * 80 * 4 and outs[0] == outs[1] == outs[2]
+    y = np.frombuffer(outs[0], np.float32).reshape(len(cases), 64, 80)
+    assert np.isfinite(y[:, :, :32]).all() and (y[:, :, :32] != 0).mean() > 0.99  # the tile that adds: real sums
+
+
+@needs_library
 @pytest.mark.parametrize("wbits,layout", [(6, TRIPLES), (6, PLANES), (6, PLANES8), (4, PLANES8), (8, TRIPLES)],
                          ids=["triples", "planes", "planes8", "mxfp4", "mxint8"])
 def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout):

@@ -1096,7 +1096,7 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void group_avx512_int8(const Problem<
 
 constexpr int kGemmRows = 6;     // rows per pass: 6 x 2 groups of integer sums and float accumulators
 // K blocks decoded at a time: 16 KiB of a group pair's codes either way (int16: 2 KiB a block). int8 was 8
-// blocks too: 16 made 128 rows 1.02-1.05x faster at Llama-2-7B's MLP shape and 64 rows of SmolLM2's 1.04-1.16x
+// blocks too: 16 made 128 rows 1.04-1.07x faster at Llama-2-7B's MLP shape and 64 rows of SmolLM2's 1.04-1.16x
 // on a Zen 5 (fewer passes, each loading and storing its float accumulators once per tile; docs/benchmarks.md).
 template <bool Int8>
 constexpr int kTileBlocks = Int8 ? 16 : 8;

@@ -249,21 +249,6 @@ struct Activations {
     }
   }
 
-  // The exponent fields of the scales, lowest and highest (for exponent_products); false where one is not a
-  // normal float (a block of zeros, NaN from non-finite activations, or subnormal).
-  bool scale_exponents(int* lowest, int* highest) const {
-    int lo = 255, hi = 0;
-    for (const float v : scale) {
-      uint32_t bits;
-      std::memcpy(&bits, &v, 4);
-      const int e = static_cast<int>(bits >> 23);  // the sign is 0: absmax / qmax
-      if (e == 0 || e == 255) return false;
-      lo = std::min(lo, e), hi = std::max(hi, e);
-    }
-    *lowest = lo, *highest = hi;
-    return true;
-  }
-
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
     float amax = 0.0f;
     bool finite = true;
@@ -281,6 +266,22 @@ struct Activations {
   }
 
 #ifdef MXSPD_X86
+  // The exponent fields of the scales, lowest and highest (for exponent_products); false where one is not a
+  // normal float (a block of zeros, NaN from non-finite activations, or subnormal). Branch-free, so that it
+  // vectorizes: 0.1 ns a scale, against 0.7 with an early exit.
+  __attribute__((target("avx2"))) bool scale_exponents(int* lowest, int* highest) const {
+    uint32_t lo = 255, hi = 0, bad = 0;
+    for (const float v : scale) {
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      const uint32_t e = bits >> 23;  // the sign is 0: absmax / qmax
+      lo = std::min(lo, e), hi = std::max(hi, e);
+      bad |= (e == 0) | (e == 255);
+    }
+    *lowest = static_cast<int>(lo), *highest = static_cast<int>(hi);
+    return !bad;
+  }
+
   __attribute__((target("avx2,fma"))) static void block_avx2(const float* x, int16_t* out, float* scale, float qmax) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 v[4], amax = _mm256_setzero_ps();

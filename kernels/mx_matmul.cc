@@ -274,9 +274,9 @@ struct Activations {
     for (const float v : scale) {
       uint32_t bits;
       std::memcpy(&bits, &v, 4);
-      const uint32_t e = bits >> 23;  // the sign is 0: absmax / qmax
+      const uint32_t e = bits >> 23;  // the sign is 0 (absmax / qmax), else e > 255: not normal either
       lo = std::min(lo, e), hi = std::max(hi, e);
-      bad |= (e == 0) | (e == 255);
+      bad |= (e == 0) | (e >= 255);
     }
     *lowest = static_cast<int>(lo), *highest = static_cast<int>(hi);
     return !bad;

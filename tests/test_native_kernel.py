@@ -273,33 +273,54 @@ def test_every_path_gives_the_same_bits(tmp_path):
 def test_scale_products_by_exponent_give_the_multiply_s_bits(tmp_path):
     """The AVX-512 many-row path forms a block's ws * xs by an integer add on the exponents where the call's
     activation scales and a tile's weight scales keep every product a normal float, else by a multiply
-    (kernels/mx_matmul.cc, exponent_products): both must give the other paths' bits. 64 rows (every width's
-    many-row path) whose blocks span 2^-90 .. 2^90, none zero; columns 0-31 with scales near 1 (a tile that
-    adds), 32-63 with tiny ones and 64-79 with huge ones (their products leave the normal range: they
-    multiply). (An add that is off by one exponent fails it.)"""
+    (kernels/mx_matmul.cc, exponent_products): both must give the other paths' bits. Calls of 64 rows
+    (every width's many-row path), none with a zero block, against tiles (pairs of 16 columns) of weight
+    scales near 1 (they add; a group alone too); tiny and huge (they multiply); exactly at the bounds, the
+    smallest product's exponent field 1 or the largest's 254 (they add), and one past them (they
+    multiply); near 1 but one column's scale NaN or subnormal, in calls whose activations would let the
+    tile add but for that scale (they multiply). (An add off by one exponent fails it, so does one taken
+    everywhere, one whose bounds are one off, and one that lets a NaN or subnormal weight scale add.)"""
     rng = np.random.default_rng(12)
-    a = (rng.standard_normal((64, 600)) * np.exp2(rng.integers(-90, 91, (64, 19))).repeat(32, axis=1)[:, :600])
-    np.save(tmp_path / "a.npy", a.astype(np.float32))
-    amax = np.abs(np.pad(a, ((0, 0), (0, 8))).reshape(64, 19, 32)).max(axis=2)
+    spreads = {"wide": (-90, 91), "small": (-80, -30), "large": (20, 61)}  # 2^k times normal samples, per block
+    acts = {name: (rng.standard_normal((64, 600)) * np.exp2(rng.integers(lo, hi, (64, 19))).repeat(32, axis=1)
+                   [:, :600]).astype(np.float32) for name, (lo, hi) in spreads.items()}
+    acts["wide"][:2] = rng.standard_normal((2, 600)) * np.exp2([[-90], [90]])  # rows at the extremes: their
+    # blocks at the bounds weigh in their sums, so a product rounded wrongly there shows
+    for j, a in enumerate(acts.values()):
+        np.save(tmp_path / f"a{j}.npy", a)
+    n = 32 * 9 + 16  # nine tiles, then a group alone (near 1)
     cases = [(6, 8, TRIPLES), (6, 16, TRIPLES), (8, 8, TRIPLES), (4, 8, PLANES8)]
     for i, (wbits, bits, layout) in enumerate(cases):
-        codes, exps = random_mx(600, 80, seed=i, wbits=wbits)
-        exps[:, 32:64] = rng.integers(8, 16, (len(exps), 32))
-        exps[:, 64:] = rng.integers(236, 244, (len(exps), 16))
-        onnx.save(mx_matmul_model(codes, exps, bits, [64, 600], layout, wbits), tmp_path / f"{i}.onnx")
-        xs = amax / (2.0 ** (bits - 1) - 1)
-        ws = np.exp2(exps.astype(np.float64) - 127 - {6: 3, 4: 1, 8: 0}[wbits])
-        products = [xs[:, :, None] * ws[None, :, cols] for cols in (slice(0, 32), slice(32, 64), slice(64, 80))]
-        normal = [(np.finfo(np.float32).tiny <= p) & (p <= np.finfo(np.float32).max) for p in products]
-        assert normal[0].all() and not normal[1].all() and not normal[2].all()  # one tile adds, two multiply
+        bias = 127 + {6: 3, 4: 1, 8: 0}[wbits]  # ws = 2^(e8 - bias)
+        fields = {}  # each call's activation scales' exponent fields (float32, as the kernel divides)
+        for name, a in acts.items():
+            xs = np.abs(np.pad(a, ((0, 0), (0, 8))).reshape(64, 19, 32)).max(axis=2) / np.float32(2 ** (bits - 1) - 1)
+            fields[name] = (xs.view(np.uint32) >> 23).astype(int)
+            assert fields[name].min() >= 1 and fields[name].max() <= 254  # every scale normal: the call may add
+        low, high = 1 + bias - fields["wide"].min(), 254 + bias - fields["wide"].max()  # the e8 at either bound
+        assert bias - 126 < low - 1 and high + 1 < 255  # the bound tiles' scales normal: the bound decides
+        codes, exps = random_mx(600, n, seed=i, wbits=wbits)  # near 1 where not set below
+        exps = exps.astype(int)
+        tiles = {"near 1": None, "tiny": 10, "huge": 240, "low bound": low, "below it": low - 1, "high bound": high,
+                 "above it": high + 1, "a NaN": None, "a subnormal": None}
+        for t, e8 in enumerate(tiles.values()):
+            exps[:, 32 * t : 32 * t + 32] = exps[:, 32 * t : 32 * t + 32] if e8 is None else e8
+        nan, sub = 32 * list(tiles).index("a NaN"), 32 * list(tiles).index("a subnormal")
+        exps[:, nan + 5], exps[:, sub + 9] = 255, bias - 127  # ws NaN; ws 2^-127, subnormal
+        for tile, call in ((nan, "small"), (sub, "large")):  # the activations' bounds alone would let them add
+            e8 = exps[:, tile : tile + 32]
+            assert fields[call].min() + e8.min() - bias >= 1 and fields[call].max() + e8.max() - bias <= 254
+        onnx.save(mx_matmul_model(codes, exps.astype(np.uint8), bits, [64, 600], layout, wbits), tmp_path / f"{i}.onnx")
     code = ("import sys, pathlib, numpy as np, onnxruntime as ort; from common.targets import session_options;"
-            "d = pathlib.Path(sys.argv[1]); a = np.load(d / 'a.npy');"
-            f"[sys.stdout.buffer.write(ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2))"
-            f".run(None, {{'a': a}})[0].tobytes()) for i in range({len(cases)})]")
+            "d = pathlib.Path(sys.argv[1]);"
+            f"s = [ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2)) for i in range({len(cases)})];"
+            f"[sys.stdout.buffer.write(x.run(None, {{'a': np.load(d / f'a{{j}}.npy')}})[0].tobytes())"
+            f" for x in s for j in range({len(acts)})]")
     outs = every_path(code, str(tmp_path))
-    assert len(outs[0]) == len(cases) * 64 * 80 * 4 and outs[0] == outs[1] == outs[2]
-    y = np.frombuffer(outs[0], np.float32).reshape(len(cases), 64, 80)
-    assert np.isfinite(y[:, :, :32]).all() and (y[:, :, :32] != 0).mean() > 0.99  # the tile that adds: real sums
+    assert len(outs[0]) == len(cases) * len(acts) * 64 * n * 4 and outs[0] == outs[1] == outs[2]
+    y = np.frombuffer(outs[0], np.float32).reshape(len(cases), len(acts), 64, n)[:, 0]  # the wide call
+    added = np.concatenate([y[:, :, :32], y[:, :, -16:]], axis=2)
+    assert np.isfinite(added).all() and (added != 0).mean() > 0.99  # the tiles that add: real sums
 
 
 @needs_library

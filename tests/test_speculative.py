@@ -302,3 +302,23 @@ def test_prompt_lookup_finds_the_latest_longest_match():
         assert got == reference(text, ngram, max_draft), (text, ngram, max_draft)
         found += bool(got)
     assert 500 < found < 2000  # matches and misses both
+
+
+def test_prompt_lookup_offers_on_a_growing_text_what_it_offers_on_the_whole():
+    """A generation's drafter converts its text as it grows (start, then what each round added): every round's
+    offer and draft equal a fresh drafter's on the whole text."""
+    from common.recipe import PromptLookupSettings
+    from runtime.prompt_lookup import PromptLookup
+
+    rng = np.random.default_rng(3)
+    text = rng.integers(0, 6, 80).tolist()
+    growing = PromptLookup(PromptLookupSettings(), None)
+    growing.start(text[:20])
+    offered = 0
+    for n in range(21, 81, 3):  # a round adds 1 to 3 tokens
+        fresh = PromptLookup(PromptLookupSettings(), None)
+        got, want = growing.offer(text[:n], 8), fresh.offer(text[:n], 8)
+        assert got == want
+        assert growing.propose(text[:n], 8).tokens.tolist() == fresh.propose(text[:n], 8).tokens.tolist()
+        offered += bool(got[1])
+    assert offered > 5  # real matches, not only empty offers

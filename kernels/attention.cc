@@ -66,12 +66,10 @@ constexpr int kValueFraction = 26;          // value terms: |p * v| * 2^(26 - e)
 constexpr int kMinExponent = -100;          // e at least this (tinier values): 2^(26 - e) stays a float
 constexpr double kDenominatorScale = 1099511627776.0;  // 2^40 (kFraction)
 constexpr size_t kFlush = 16;               // keys per int32 partial sum: 16 * 2^26 = 2^30 < 2^31
-// ... or, where the probabilities are summed as they go (the tile kernels), while that float sum stays at
-// most kFlushWeight, over at most kFlushKeys keys: the true sum is then below 30 + 4 * 2^16 * 2^-20 (4 float
-// additions a key at most, one a vector, each below 32 off by at most 2^-20), so the terms' magnitudes add
-// up to below 2^26 * 30.3 + 2^16 * 0.5 (their roundings) < 2^31. Attention is mostly a few keys' weight: it moves them rarely.
-constexpr float kFlushWeight = 30.0f;
-constexpr size_t kFlushKeys = size_t{1} << 16;
+// ... or 32 (the tile kernels), whatever the probabilities: with p <= 1 and |v| at most 2^e (1 - 2^-24), the
+// largest float below 2^e, a term is at most 2^26 - 4 (a float, so the product rounds to no more), and 32 of
+// them at most 2^31 - 128.
+constexpr size_t kTileFlush = 32;
 constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: x + kMagic holds round(x) in its low bits
 constexpr int64_t kMagicBits = 0x4338000000000000;
 
@@ -587,6 +585,15 @@ __attribute__((target(MXSPD_AVX512))) inline __m512 load16(const float* row, int
 __attribute__((target(MXSPD_AVX512))) inline __m512 load16(const Half* row, int64_t i) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
 }
+// The same, kept in a register for the tile's products: GCC folded a plain load into each vector's multiply
+// as its memory operand, loading the piece once per vector (27 loads a step of 3 vectors and 8 keys, where 11
+// do): on a Zen 5 the scores of 3 vectors from L1 then took 2x as long.
+template <typename T>
+__attribute__((target(MXSPD_AVX512))) inline __m512 load16_once(const T* row, int64_t i) {
+  __m512 y = load16(row, i);
+  __asm__("" : "+v"(y));
+  return y;
+}
 inline void prefetch_any(const float* row, int64_t d) { prefetch_row(row, d); }
 inline void prefetch_any(const Half* row, int64_t d) { prefetch_half_row(row, d); }
 
@@ -605,7 +612,7 @@ __attribute__((target(MXSPD_AVX512))) void tile_scores_avx512(const Visible& v, 
       __m512 x[Q];
       for (int j = 0; j < Q; ++j) x[j] = _mm512_loadu_ps(q[j] + i);
       for (int k = 0; k < 8; ++k) {
-        const __m512 y = load16(key[n + k], i);
+        const __m512 y = load16_once(key[n + k], i);
         for (int j = 0; j < Q; ++j) acc[j][k] = _mm512_fmadd_ps(x[j], y, acc[j][k]);
       }
     }
@@ -646,41 +653,30 @@ __attribute__((target(MXSPD_AVX512))) void tile_sums_avx512(const Visible& v, co
                                                             const float* const* prob, const float* step,
                                                             int64_t* const* num, int64_t* const* den) {
   for (int j = 0; j < Q; ++j) *den[j] += denominator_avx512(prob[j], v.n);
-  for (int64_t c = 0; c < v.d; c += 16 * W) {
-    __m512i acc[Q][W];
-    for (auto& a : acc)
-      for (auto& x : a) x = _mm512_setzero_si512();
-    float weight = 0.0f;  // the probabilities of the keys since the last flush, every vector's together
-    size_t since = 0;
-    for (size_t n = 0; n < v.n; ++n) {
-      const T* x = value[n] + c;
-      if (c == 0 && n + kAhead < v.ahead) prefetch_any(value[n + kAhead], v.d);
-      __m512 f[Q];
-      for (int j = 0; j < Q; ++j) f[j] = _mm512_set1_ps(prob[j][n] * step[j]), weight += prob[j][n];
-      for (int i = 0; i < W; ++i) {
-        const __m512 y = load16(x, 16 * i);
-        for (int j = 0; j < Q; ++j)
-          acc[j][i] = _mm512_add_epi32(acc[j][i], _mm512_cvtps_epi32(_mm512_mul_ps(y, f[j])));
+  for (int64_t c = 0; c < v.d; c += 16 * W)
+    for (size_t n0 = 0; n0 < v.n; n0 += kTileFlush) {
+      __m512i acc[Q][W];
+      for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_si512();
+      for (size_t n = n0; n < std::min(n0 + kTileFlush, v.n); ++n) {
+        const T* x = value[n] + c;
+        if (c == 0 && n + kAhead < v.ahead) prefetch_any(value[n + kAhead], v.d);
+        __m512 f[Q];
+        for (int j = 0; j < Q; ++j) f[j] = _mm512_set1_ps(prob[j][n] * step[j]);
+        for (int i = 0; i < W; ++i) {
+          const __m512 y = load16_once(x, 16 * i);
+          for (int j = 0; j < Q; ++j)
+            acc[j][i] = _mm512_add_epi32(acc[j][i], _mm512_cvtps_epi32(_mm512_mul_ps(y, f[j])));
+        }
       }
-      const float next = n + 1 < v.n ? [&] {
-        float w = 0.0f;
-        for (int j = 0; j < Q; ++j) w += prob[j][n + 1];
-        return w;
-      }() : 0.0f;
-      if (!(weight + next <= kFlushWeight) || ++since == kFlushKeys || n + 1 == v.n) {  // into the int64 sums
-        weight = 0.0f, since = 0;
-        for (int j = 0; j < Q; ++j)
-          for (int i = 0; i < W; ++i) {
-            for (int half = 0; half < 2; ++half) {
-              int64_t* sum = num[j] + c + 16 * i + 8 * half;
-              const __m256i lanes = _mm512_extracti64x4_epi64(acc[j][i], half);
-              _mm512_storeu_si512(sum, _mm512_add_epi64(_mm512_loadu_si512(sum), _mm512_cvtepi32_epi64(lanes)));
-            }
-            acc[j][i] = _mm512_setzero_si512();
+      for (int j = 0; j < Q; ++j)  // into the int64 sums
+        for (int i = 0; i < W; ++i)
+          for (int half = 0; half < 2; ++half) {
+            int64_t* sum = num[j] + c + 16 * i + 8 * half;
+            const __m256i lanes = _mm512_extracti64x4_epi64(acc[j][i], half);
+            _mm512_storeu_si512(sum, _mm512_add_epi64(_mm512_loadu_si512(sum), _mm512_cvtepi32_epi64(lanes)));
           }
-      }
     }
-  }
 }
 #endif
 
@@ -886,6 +882,88 @@ void sums(const Visible& v, const float* prob, float scale, int32_t* part, int64
   sums_scalar(v, prob, scale, part, num, den);
 }
 
+// A tile row's scores' biases: its mask entry for each of the tile's keys, or (`hide`: a tile of several
+// rows) -infinity where the row does not see the key; and the largest value range over the row's own keys.
+void row_bias_scalar(const float* mask, const int32_t* list, size_t count, bool hide, float* bias) {
+  for (size_t n = 0; n < count; ++n)
+    bias[n] = !hide || mask[list[n]] > kHidden ? mask[list[n]] : -std::numeric_limits<float>::infinity();
+}
+
+float largest_range_scalar(const float* range, const int32_t* own, size_t count) {
+  float top = 0.0f;  // (ranges are never NaN: a key with a NaN value has range infinity)
+  for (size_t n = 0; n < count; ++n) top = std::max(top, range[own[n]]);
+  return top;
+}
+
+#ifdef MXSPD_X86
+__attribute__((target(MXSPD_AVX512))) void row_bias_avx512(const float* mask, const int32_t* list, size_t count,
+                                                           bool hide, float* bias) {
+  const __m512 hidden = _mm512_set1_ps(kHidden), minus = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  size_t n = 0;
+  for (; n + 16 <= count; n += 16) {
+    const __m512 m = _mm512_i32gather_ps(_mm512_loadu_si512(list + n), mask, 4);
+    _mm512_storeu_ps(bias + n, hide ? _mm512_mask_mov_ps(minus, _mm512_cmp_ps_mask(m, hidden, _CMP_GT_OQ), m) : m);
+  }
+  row_bias_scalar(mask, list + n, count - n, hide, bias + n);
+}
+
+__attribute__((target(MXSPD_AVX512))) float largest_range_avx512(const float* range, const int32_t* own,
+                                                                 size_t count) {
+  __m512 top = _mm512_setzero_ps();
+  size_t n = 0;
+  for (; n + 16 <= count; n += 16) top = _mm512_max_ps(top, _mm512_i32gather_ps(_mm512_loadu_si512(own + n), range, 4));
+  return std::max(_mm512_reduce_max_ps(top), largest_range_scalar(range, own + n, count - n));
+}
+#endif
+
+// Each listed key's row among one KV head's keys or values: key j < c is cache slot j of `past`, else row
+// j - c of the call's `fresh` ones (addresses as integers: `fresh` less c rows may lie before the array).
+template <typename T>
+void key_rows_scalar(const T* past, const T* fresh, int64_t c, int64_t d, const int32_t* list, size_t count,
+                     const T** rows) {
+  for (size_t n = 0; n < count; ++n) rows[n] = list[n] < c ? past + list[n] * d : fresh + (list[n] - c) * d;
+}
+
+#ifdef MXSPD_X86
+template <typename T>
+__attribute__((target(MXSPD_AVX512))) void key_rows_avx512(const T* past, const T* fresh, int64_t c, int64_t d,
+                                                           const int32_t* list, size_t count, const T** rows) {
+  const int64_t size = d * static_cast<int64_t>(sizeof(T));
+  const __m512i from_past = _mm512_set1_epi64(static_cast<int64_t>(reinterpret_cast<uintptr_t>(past)));
+  const __m512i from_fresh = _mm512_set1_epi64(static_cast<int64_t>(reinterpret_cast<uintptr_t>(fresh)) - c * size);
+  const __m512i slots = _mm512_set1_epi64(c), row = _mm512_set1_epi64(size);
+  size_t n = 0;
+  for (; n + 8 <= count; n += 8) {
+    const __m512i j = _mm512_cvtepi32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(list + n)));
+    const __m512i base = _mm512_mask_mov_epi64(from_fresh, _mm512_cmplt_epi64_mask(j, slots), from_past);
+    _mm512_storeu_si512(rows + n, _mm512_add_epi64(base, _mm512_mullo_epi64(j, row)));
+  }
+  key_rows_scalar(past, fresh, c, d, list + n, count - n, rows + n);
+}
+#endif
+
+template <typename T>
+void key_rows(const T* past, const T* fresh, int64_t c, int64_t d, const int32_t* list, size_t count, const T** rows) {
+#ifdef MXSPD_X86
+  if (kHasAvx512) return key_rows_avx512(past, fresh, c, d, list, count, rows);
+#endif
+  key_rows_scalar(past, fresh, c, d, list, count, rows);
+}
+
+void row_bias(const float* mask, const int32_t* list, size_t count, bool hide, float* bias) {
+#ifdef MXSPD_X86
+  if (kHasAvx512) return row_bias_avx512(mask, list, count, hide, bias);
+#endif
+  row_bias_scalar(mask, list, count, hide, bias);
+}
+
+float largest_range(const float* range, const int32_t* own, size_t count) {
+#ifdef MXSPD_X86
+  if (kHasAvx512) return largest_range_avx512(range, own, count);
+#endif
+  return largest_range_scalar(range, own, count);
+}
+
 // Query heads per task: a KV head's whole group when every head shares the mask (the values' range
 // and the visible list are then found once for the group) and there are tasks enough for the cores;
 // else one. A head's arithmetic is the same either way. On 2 cores SmolLM2's decode step then runs 3
@@ -1016,36 +1094,31 @@ bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t 
   size_t count = p.counts[mask_row(0)];
   const float* range = p.key_range ? p.key_range + (bb * p.hkv + kv) * keys : nullptr;
   if (union_keys) {  // the tile's keys
-    for (size_t n = 0; n < union_count; ++n)
-      if (std::isinf(range[union_keys[n]])) return false;
+    if (std::isinf(largest_range(range, union_keys, union_count))) return false;
     list = union_keys, count = union_count;
   }
   bias.resize(n_rows * count);
   largest.assign(n_rows, 0.0f);
   bad_values.assign(n_rows, 0);  // an Inf or NaN value the row sees: its output is NaN
-  for (int64_t r = 0; r < n_rows; ++r) {  // (locals, not the thread_locals: a store may alias anything, and
-    const float* mask = p.mask + mask_row(r) * keys;  // each access would look the thread's copy up again)
-    float* b = bias.data() + r * count;
-    for (size_t n = 0; n < count; ++n)
-      b[n] = n_rows == 1 || mask[list[n]] > kHidden ? mask[list[n]] : -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < n_rows; ++r) {
+    row_bias(p.mask + mask_row(r) * keys, list, count, n_rows > 1, bias.data() + r * count);
     if (range) {
-      const int32_t* own = p.lists + mask_row(r) * keys;
-      const uint32_t own_count = p.counts[mask_row(r)];
-      float top = 0.0f;
-      for (uint32_t n = 0; n < own_count; ++n) top = std::max(top, range[own[n]]);
+      const float top = largest_range(range, p.lists + mask_row(r) * keys, p.counts[mask_row(r)]);
       largest[r] = top, bad_values[r] = std::isinf(top);
     }
   }
+  const int64_t past = (bb * p.hkv + kv) * p.c * p.d, fresh = (bb * p.hkv + kv) * p.t * p.d;
   if (p.half()) {
     rows16.resize(2 * count);
-    for (size_t n = 0; n < count; ++n)
-      rows16[n] = p.key16(bb, kv, list[n]), rows16[count + n] = p.value16(bb, kv, list[n]);
+    key_rows(p.past_key16 + past, p.new_key16 + fresh, p.c, p.d, list, count, rows16.data());
+    key_rows(p.past_value16 + past, p.new_value16 + fresh, p.c, p.d, list, count, rows16.data() + count);
     wide.resize(2 * kBlock * p.d);
     wide_rows.resize(2 * kBlock);
     for (size_t r = 0; r < 2 * kBlock; ++r) wide_rows[r] = wide.data() + r * p.d;
   } else {
     rows.resize(2 * count);
-    for (size_t n = 0; n < count; ++n) rows[n] = p.key(bb, kv, list[n]), rows[count + n] = p.value(bb, kv, list[n]);
+    key_rows(p.past_key + past, p.new_key + fresh, p.c, p.d, list, count, rows.data());
+    key_rows(p.past_value + past, p.new_value + fresh, p.c, p.d, list, count, rows.data() + count);
   }
   const Visible v{rows.data(), rows.data() + count, bias.data(), count, count, p.d, p.scale};
   if (!range) {  // one row, scanning its own values

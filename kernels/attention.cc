@@ -122,11 +122,22 @@ void to_float_scalar(const Half* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = half_to_float(x[i]);
 }
 
-// The largest |v[i]| of float16 values (their magnitudes' bits order as the values do) and whether any is
-// Inf or NaN (magnitude bits 0x7c00 and up).
-uint16_t half_magnitude_scalar(const Half* v, int64_t d) {
+// Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
+// for the row `kAhead` keys on while working on this one.
+constexpr size_t kAhead = 8;
+inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
+}
+inline void prefetch_half_row(const uint16_t* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 32) __builtin_prefetch(row + i);
+}
+
+// The largest |v[i]| over float16 rows (their magnitudes' bits order as the values do), and so whether any
+// is Inf or NaN (magnitude bits 0x7c00 and up).
+uint16_t half_magnitude_scalar(const Half* const* rows, size_t count, int64_t d, int64_t from = 0) {
   uint16_t top = 0;
-  for (int64_t i = 0; i < d; ++i) top = std::max<uint16_t>(top, v[i] & 0x7fff);
+  for (size_t n = 0; n < count; ++n)
+    for (int64_t i = from; i < d; ++i) top = std::max<uint16_t>(top, rows[n][i] & 0x7fff);
   return top;
 }
 
@@ -146,16 +157,21 @@ __attribute__((target("avx2,fma,f16c"))) void to_float_avx2(const Half* x, float
   to_float_scalar(x + i, y + i, n - i);
 }
 
-__attribute__((target("avx2,fma"))) uint16_t half_magnitude_avx2(const Half* v, int64_t d) {
+// One running maximum across the rows, reduced once (a row's reduction had cost more than its 4 loads at head
+// size 64), the rows prefetched ahead (a server's rows sit at scattered slots).
+__attribute__((target("avx2,fma"))) uint16_t half_magnitude_avx2(const Half* const* rows, size_t count, int64_t d) {
   const __m256i magnitude = _mm256_set1_epi16(0x7fff);
   __m256i top = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    top = _mm256_max_epu16(
-        top, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), magnitude));
+  const int64_t whole = d / 16 * 16;
+  for (size_t n = 0; n < count; ++n) {
+    if (n + kAhead < count) prefetch_half_row(rows[n + kAhead], d);
+    for (int64_t i = 0; i < whole; i += 16)
+      top = _mm256_max_epu16(
+          top, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[n] + i)), magnitude));
+  }
   alignas(32) uint16_t lanes[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
-  uint16_t out = half_magnitude_scalar(v + i, d - i);
+  uint16_t out = half_magnitude_scalar(rows, count, d, whole);
   for (uint16_t x : lanes) out = std::max(out, x);
   return out;
 }
@@ -177,11 +193,11 @@ void to_float(const Half* x, float* y, int64_t n) {
   to_float_scalar(x, y, n);
 }
 
-uint16_t half_magnitude(const Half* v, int64_t d) {
+uint16_t half_magnitude(const Half* const* rows, size_t count, int64_t d) {
 #ifdef MXSPD_X86
-  if (kHasAvx2) return half_magnitude_avx2(v, d);
+  if (kHasAvx2) return half_magnitude_avx2(rows, count, d);
 #endif
-  return half_magnitude_scalar(v, d);
+  return half_magnitude_scalar(rows, count, d);
 }
 
 struct Problem {
@@ -297,16 +313,6 @@ int64_t balanced(int64_t vectors, int64_t most) {
   return (vectors + tiles - 1) / tiles;
 }
 constexpr int64_t kTileWaste = 8;  // rows share a tile while their union adds at most 1/8 to a row's keys
-
-// Rows of visible keys sit at scattered cache slots, which the hardware prefetcher cannot predict: ask
-// for the row `kAhead` keys on while working on this one.
-constexpr size_t kAhead = 8;
-inline void prefetch_row(const float* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i);
-}
-inline void prefetch_half_row(const uint16_t* row, int64_t d) {
-  for (int64_t i = 0; i < d; i += 32) __builtin_prefetch(row + i);
-}
 
 #ifdef MXSPD_X86
 // finish_dot's additions without a tail, in registers: lanes l + (l + 8), then lane_sum's tree.
@@ -1124,8 +1130,7 @@ bool attend_tile(const Problem& p, int64_t bb, int64_t h0, int64_t tt0, int64_t 
   if (!range) {  // one row, scanning its own values
     bool bad = false;
     if (p.half()) {
-      uint16_t top = 0;
-      for (size_t n = 0; n < count; ++n) top = std::max(top, half_magnitude(rows16[count + n], p.d));
+      const uint16_t top = half_magnitude(rows16.data() + count, count, p.d);
       bad = top >= 0x7c00;
       largest[0] = bad ? std::numeric_limits<float>::infinity() : half_to_float(top);
     } else {

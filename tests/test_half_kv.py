@@ -81,6 +81,22 @@ def test_the_half_kernel_is_the_float_kernel_on_rounded_keys_and_values():
     assert all(differs)
 
 
+@pytest.mark.parametrize("d", [20, 40, 64])
+def test_a_decode_row_finds_its_largest_value_in_a_row_s_tail(d):
+    """A row alone scans its float16 values for the largest (the fixed-point step of its sums): with every
+    value's largest element past the last whole 16 (or, at head size 64, the last), the output is still the
+    float32 kernel's bit for bit; an Inf value there makes the rows that see it NaN and no other."""
+    rng = np.random.default_rng(d)
+    q, pk, pv, nk, nv, mask = attention_inputs(rng, hq=4, hkv=2, c=30, d=d, t=1, visible=0.8)
+    pv[..., -1] = 50.0 + rng.random(pv.shape[:-1])
+    y, _, _ = run_half([q, pk, pv, nk, nv, mask])
+    np.testing.assert_array_equal(y, run_attention([q, rounded(pk), rounded(pv), rounded(nk), rounded(nv), mask]))
+    seen = int(np.flatnonzero(mask[0, 0, 0, :30] == 0.0)[0])
+    pv[0, 1, seen, -1] = np.inf  # KV head 1: query heads 2 and 3
+    y, _, _ = run_half([q, pk, pv, nk, nv, mask])
+    assert np.isnan(y[0, 2:]).all() and not np.isnan(y[0, :2]).any()
+
+
 def test_the_fused_rotary_twin_rounds_what_it_rotates():
     """RotaryAttentionHalfKV: RotaryQKV's heads, the keys and values rounded, then the float32 attention."""
     rng = np.random.default_rng(1)

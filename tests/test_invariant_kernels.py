@@ -124,19 +124,20 @@ def test_attention_nan_stays_in_its_rows_and_bad_shapes_are_refused():
         run_attention([inputs[0][:, :3], *inputs[1:]])
 
 
-@pytest.mark.parametrize("t", [1, 9])
-def test_equal_keys_at_the_largest_values_sum_without_overflow(t):
+@pytest.mark.parametrize("hq,hkv,t", [(3, 1, 1), (3, 1, 9), (2, 2, 9)])
+def test_equal_keys_at_the_largest_values_sum_without_overflow(hq, hkv, t):
     """The weighted sums' int32 lanes move into int64 often enough whatever the probabilities: every key the
     same (p = 1 for each) and every value the largest float below 2^e, so each term is 2^26 - 4 and 32 of them
-    come within 128 of the int32 limit. Each row's output is the value itself, exactly; lanes moved after 33
-    keys (or the fixed-point step off by one) wrap or double it. A decode row (three query heads of a KV head
-    in one tile on AVX-512) and a 9-row call whose rows share the keys (rows in tiles)."""
+    come within 128 of the int32 limit. Each row's output is the value itself, exactly: lanes that took more
+    than 32 keys (tried: blocks of 64 keys, each moved at its end) or a step twice too fine wrap. On AVX-512 a
+    decode row of one vector, a 9-row call's KV heads of three query heads each in one tile, and (one query
+    head per KV head) tiles of three rows."""
     c, d = 200, 64
     top = np.nextafter(np.float32(2.0), np.float32(0.0))
-    q = np.random.default_rng(12).standard_normal((1, 3, t, d)).astype(np.float32)
-    past_key = np.broadcast_to(np.linspace(-1, 1, d, dtype=np.float32), (1, 1, c, d)).copy()
+    q = np.random.default_rng(12).standard_normal((1, hq, t, d)).astype(np.float32)
+    past_key = np.broadcast_to(np.linspace(-1, 1, d, dtype=np.float32), (1, hkv, c, d)).copy()
     values = np.where(np.arange(d) % 2, top, -top).astype(np.float32)
-    past_value = np.broadcast_to(values, (1, 1, c, d)).copy()
+    past_value = np.broadcast_to(values, (1, hkv, c, d)).copy()
     new_key, new_value = past_key[:, :, :t].copy(), past_value[:, :, :t].copy()
     mask = np.zeros((1, 1, t, c + t), np.float32)
     mask[0, 0, :, c:] = np.where(np.tril(np.ones((t, t), bool)), 0.0, MIN)

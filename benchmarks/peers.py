@@ -4,9 +4,9 @@ cached), and onnxruntime-genai's model builder's builds (the `bench` extra) of a
 copy of the same GGUF.
 
 llama-cpp-python is a benchmark-only extra (`pip install -e ".[peers]"`); it builds llama.cpp from
-source, natively for the CPU it is built on. On a machine whose CPU reports AMX but whose hypervisor
-does not enable it (llama.cpp then dies of SIGILL at `tilezero` on Q8_0, Q6_K and other AMX types),
-build it without AMX: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+source, natively for the CPU it is built on. Where its AMX matmul dies of SIGILL at `tilezero` (Q8_0, Q6_K and
+other AMX types; seen on an Intel Xeon whose tiles mxspd's own AMX path runs on: docs/development.md), build it
+without AMX: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
 -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"; on an AVX2-only CPU
 whose native build crashes, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON".

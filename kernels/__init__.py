@@ -79,6 +79,17 @@ def require_cuda_library() -> Path:
 
 
 @functools.cache
+def uses_amx(path: Path | None = None) -> bool:
+    """Whether the library at `path` (default: this installation's) multiplies MXMatMul's many-row int8 calls on
+    AMX tiles on this machine (an Intel Xeon since Sapphire Rapids whose OS enables them, and
+    MXSPD_KERNELS_NO_AMX unset); False from a library older than that path."""
+    ask = getattr(ctypes.CDLL(str(path or require_library())), "mxspd_uses_amx", None)
+    if ask is None:
+        return False
+    ask.restype = ctypes.c_int64
+    return bool(ask())
+
+
 def preferred_mx_layout(path: Path | None = None, activation_bits: int = 16) -> int:
     """The MXFP6 weight layout (kernels.layout.TRIPLES, PLANES or PLANES8) that the library at `path` (default:
     this installation's) multiplies fastest on this CPU with activations of `activation_bits`; from a library

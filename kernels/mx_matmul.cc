@@ -39,7 +39,9 @@
 // and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
 // vpdpbusd on AVX-512 with every width, from 12 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). Fewer rows
 // of int8 activations on AVX-512 multiply bytes too (group_avx512_int8: weights + an offset by the signed
-// activations). All give the same bits (tests/test_native_kernel.py).
+// activations). On AMX (Intel Xeon since Sapphire Rapids, where the OS enables it; MXSPD_KERNELS_NO_AMX turns
+// it off) int8 calls of 32 rows or more take the many-row path with its integer sums from tdpbssd on tiles.
+// All give the same bits (tests/test_native_kernel.py).
 //
 // weight_bits = 8: MXINT8 instead (codes k, S holding e - 6: the value k * 2^(S-127)): 8.25 bits per
 // weight, for the weights a recipe keeps finer (the LM head, sensitive layers).
@@ -247,6 +249,15 @@ struct Activations {
       }
       total[i] = sum;
     }
+  }
+
+  // bytes alone, with `pad` rows after the last block's: AMX's A operand reads 16 rows whatever the call's
+  // (the sums of rows past the call are never stored).
+  void narrow_tiles(int pad) {
+    bytes.resize(q.size() + pad * kBlock);
+    const int16_t* from = q.data();
+    int8_t* to = bytes.data();
+    for (size_t i = 0, n = q.size(); i < n; ++i) to[i] = static_cast<int8_t>(from[i]);
   }
 
   static void block_scalar(const float* x, int64_t n, int16_t* out, float* scale, float qmax) {
@@ -1179,6 +1190,14 @@ bool exponent_products(const Problem<WBits>& p, const Tile512<Int8>& t) {
          p.xs_lowest + t.e8_lowest - bias >= 1 && p.xs_highest + t.e8_highest - bias <= 254;
 }
 
+// A block's ws * xs for one row: the exponents' integer add (Exp; unbiased: ws's bits less 127 << 23) or a
+// multiply, as exponent_products chose.
+template <bool Exp>
+__attribute__((target(MXSPD_AVX512_VBMI))) inline __m512 scale_product(__m512 scale, __m512i unbiased, float xs) {
+  if constexpr (Exp) return _mm512_castsi512_ps(_mm512_add_epi32(unbiased, _mm512_castps_si512(_mm512_set1_ps(xs))));
+  return _mm512_mul_ps(scale, _mm512_set1_ps(xs));
+}
+
 // Rows row0 .. row0 + Rows - 1 over blocks b0 .. b0 + count - 1 (decoded in t), their accumulators read
 // from y unless b0 is the first block, written back to y.
 template <int WBits, bool Int8, int Rows, int Groups, bool Exp>
@@ -1238,14 +1257,9 @@ __attribute__((target(MXSPD_AVX512_VBMI))) void gemm_pass(const Problem<WBits>& 
     for (int h = 0; h < Groups; ++h) {
       const __m512 scale = _mm512_load_ps(t.ws + (2 * (b - b0) + h) * kGroup);
       const __m512i unbiased = _mm512_sub_epi32(_mm512_castps_si512(scale), _mm512_set1_epi32(127 << 23));
-      for (int r = 0; r < Rows; ++r) {
-        __m512 product;
-        if constexpr (Exp)
-          product = _mm512_castsi512_ps(_mm512_add_epi32(unbiased, _mm512_castps_si512(_mm512_set1_ps(xs[r]))));
-        else
-          product = _mm512_mul_ps(scale, _mm512_set1_ps(xs[r]));
-        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), product, acc[r][h]);
-      }
+      for (int r = 0; r < Rows; ++r)
+        acc[r][h] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][h]), scale_product<Exp>(scale, unbiased, xs[r]), acc[r][h]);
     }
   }
   for (int h = 0; h < Groups; ++h)
@@ -1283,6 +1297,123 @@ void gemm_tile(void* user, size_t index) {
       row += rows;
     }
   }
+}
+// ---- AMX (Intel Xeon since Sapphire Rapids), many rows of int8 activations ----------------------------
+// The AVX-512 many-row task with its integer sums from AMX's tiles: decode_pair's signed bytes of a block are
+// AMX's B operand as they lie (8 rows, one a chunk: 16 columns x 4 codes, 128 bytes apart in the tile), and 16
+// rows' 32 signed activations of a block are its A operand (32 bytes apart, as Activations stores them), so one
+// tdpbssd (16 rows x 16 columns x 32 multiply-adds, 32 vpdpbusd's worth) gives a block's exact int32 sums: the
+// integers every other path finds. They go to L1 (tilestored), and each row's float step is gemm_pass's: the
+// same bits. A pass is 16 rows of one group, its 16 float accumulators in registers; two blocks are in flight
+// (tiles 0-2 and 3-5), so one block's float steps run while the next block's tdpbssd does.
+constexpr int kAmxRows = 16;  // an A tile's rows (the last pass's rows past the call are read, never stored)
+// From this many rows (every width) where AMX runs: at 16-24 rows the vpdpbusd loop was as fast or faster on an
+// Intel Xeon (0.87-1.04x at SmolLM2's 576 x 1536, 0.96-1.22x at 2048 x 8192: a pass's tile traffic is the
+// same for 4 rows as for 16), at 32 AMX 1.07-1.48x (docs/benchmarks.md).
+constexpr int kAmxMinRows = 32;
+
+// tilestored of tile N to one pass's sums: as _tile_stored, but naming the memory it writes (the intrinsic
+// clobbers all memory, which kept the 16 float accumulators in memory: a load and a store more per row and block).
+#define MXSPD_TILE_STORE(N, sums)                                                                      \
+  __asm__ volatile("tilestored %%tmm" #N ", (%1,%2,1)" : "=m"(*reinterpret_cast<int32_t(*)[kAmxRows * kGroup]>(sums)) \
+                   : "r"(sums), "r"(64L))
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 3: C (16 rows x 16 int32 sums); 1 and 4: A (16 rows x 32 activations); 2 and 5: B (8 rows x 64).
+inline TileConfig amx_config() {
+  TileConfig c;
+  for (int base : {0, 3}) {
+    c.rows[base] = kAmxRows, c.colsb[base] = 64;
+    c.rows[base + 1] = kAmxRows, c.colsb[base + 1] = kBlock;
+    c.rows[base + 2] = kChunks, c.colsb[base + 2] = 64;
+  }
+  return c;
+}
+
+// A block's float step for Rows rows from its int32 sums (16 per row, in L1): gemm_pass's.
+template <int Rows, bool Exp>
+__attribute__((target(MXSPD_AVX512_VBMI))) inline void amx_float_step(const int32_t* sums, const float* ws,
+                                                                      const float* xs, __m512* acc) {
+  const __m512 scale = _mm512_load_ps(ws);
+  const __m512i unbiased = _mm512_sub_epi32(_mm512_castps_si512(scale), _mm512_set1_epi32(127 << 23));
+  for (int r = 0; r < Rows; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kGroup)),
+                             scale_product<Exp>(scale, unbiased, xs[r]), acc[r]);
+}
+
+// Rows row0 .. row0 + Rows - 1 of group g0 + h over blocks b0 .. b0 + count - 1 (decoded in t), their
+// accumulators read from y unless b0 is the first block, written back to y.
+// Two blocks' int32 sums, in L1 between tilestored and the float steps (a thread's, not the pass's stack frame:
+// 1.3-1.5x faster on an Intel Xeon, where the stack copy was read back slowly).
+struct AmxSums {
+  alignas(64) int32_t of[2][kAmxRows * kGroup];
+};
+
+template <int WBits, int Rows, bool Exp>
+__attribute__((target(MXSPD_AVX512_VBMI ",amx-tile,amx-int8"))) void amx_pass(const Problem<WBits>& p, int64_t g0,
+                                                                              int h, const Tile512<true>& t,
+                                                                              AmxSums& buffer, int64_t row0,
+                                                                              int64_t b0, int64_t count) {
+  auto& sums = buffer.of;
+  const __mmask16 valid = static_cast<__mmask16>((1u << p.columns(g0 + h)) - 1);
+  float* y = p.y + row0 * p.n + (g0 + h) * kGroup;
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = b0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(valid, y + r * p.n);
+  const int8_t* codes = t.codes + h * 64;  // block i's B tile at codes + i * kChunks * kPairBytes8
+  // Block i's sums in tile 0 (i even) or 3 (odd), its A and B in the next two tiles; block i + 1 is issued
+  // before block i is stored, so each tdpbssd has a block's float steps to finish in.
+#define MXSPD_AMX_ISSUE(C, A, B, i)                                            \
+  _tile_zero(C);                                                               \
+  _tile_loadd(A, p.x_bytes(row0, b0 + (i)), kBlock);                           \
+  _tile_loadd(B, codes + (i) * kChunks * kPairBytes8, kPairBytes8);            \
+  _tile_dpbssd(C, A, B)
+  MXSPD_AMX_ISSUE(0, 1, 2, 0);
+  for (int64_t i = 0; i < count; i += 2) {
+    if (i + 1 < count) MXSPD_AMX_ISSUE(3, 4, 5, i + 1);
+    MXSPD_TILE_STORE(0, sums[0]);
+    amx_float_step<Rows, Exp>(sums[0], t.ws + (2 * i + h) * kGroup, p.x_scale(row0, b0 + i), acc);
+    if (i + 1 >= count) break;
+    if (i + 2 < count) MXSPD_AMX_ISSUE(0, 1, 2, i + 2);
+    MXSPD_TILE_STORE(3, sums[1]);
+    amx_float_step<Rows, Exp>(sums[1], t.ws + (2 * (i + 1) + h) * kGroup, p.x_scale(row0, b0 + i + 1), acc);
+  }
+#undef MXSPD_AMX_ISSUE
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * p.n, valid, acc[r]);
+}
+
+template <int WBits, bool Exp, size_t... Rows>
+constexpr auto amx_by_rows(std::index_sequence<Rows...>) {
+  using Pass = void (*)(const Problem<WBits>&, int64_t, int, const Tile512<true>&, AmxSums&, int64_t, int64_t, int64_t);
+  return std::array<Pass, sizeof...(Rows)>{amx_pass<WBits, static_cast<int>(Rows + 1), Exp>...};
+}
+
+// One task: gemm_tile's column groups and K tiles, each tile's rows in passes of 16 (the last the rest).
+template <int WBits>
+__attribute__((target(MXSPD_AVX512_VBMI ",amx-tile"))) void amx_tile(void* user, size_t index) {
+  const Problem<WBits>& p = *static_cast<const Problem<WBits>*>(user);
+  static constexpr std::array<decltype(amx_by_rows<WBits, false>(std::make_index_sequence<kAmxRows>())), 2> passes_by{
+      amx_by_rows<WBits, false>(std::make_index_sequence<kAmxRows>()),
+      amx_by_rows<WBits, true>(std::make_index_sequence<kAmxRows>())};  // [exp]
+  static const TileConfig config = amx_config();
+  _tile_loadconfig(&config);  // a thread's tile shapes: set on each task (other code on the thread may set its own)
+  const int64_t g0 = 2 * static_cast<int64_t>(index);
+  const int groups = static_cast<int>(std::min<int64_t>(2, (p.n + kGroup - 1) / kGroup - g0));
+  thread_local Tile512<true> t;
+  thread_local AmxSums sums;
+  for (int64_t b0 = 0; b0 < p.kb; b0 += kTileBlocks<true>) {
+    const int64_t count = std::min<int64_t>(kTileBlocks<true>, p.kb - b0);
+    decode_pair(p, g0, groups, b0, count, t);
+    const auto& pass = passes_by[exponent_products(p, t)];
+    for (int64_t row = 0; row < p.m; row += kAmxRows)
+      for (int h = 0; h < groups; ++h)
+        pass[std::min<int64_t>(kAmxRows, p.m - row) - 1](p, g0, h, t, sums, row, b0, count);
+  }
+  _tile_release();
 }
 // The path's kernels for 1, 2, ... rows per pass (Rows is a template argument: accumulators in registers).
 enum class Path { kAvx512, kAvx512Int8, kAvx2, kAvx2Planes, kAvx2Int8, kAvx2Fp4 };
@@ -1361,8 +1492,13 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
   // the AVX-512 path decodes triples and MXFP4 (planes8's positions); AVX2 the rest (planes, planes8)
   const bool wide = kHasAvx512Vbmi && (WBits == 4 || layout == kTriples);
   const bool many8 = m >= kGemmMinRows8<WBits>;
-  if (wide && (activation_bits == 8 ? many8 : m >= kGemmMinRows<WBits>))
+  if (wide && (activation_bits == 8 ? many8 || (kHasAmx && m >= kAmxMinRows) : m >= kGemmMinRows<WBits>))
     p.xs_normal = x.scale_exponents(&p.xs_lowest, &p.xs_highest);
+  if (kHasAmx && wide && activation_bits == 8 && m >= kAmxMinRows) {
+    x.narrow_tiles(kAmxRows);
+    p.xi = x.bytes.data();
+    return g_api.parallel_for(ctx, amx_tile<WBits>, (groups + 1) / 2, &p);
+  }
   if (wide && activation_bits == 8 && many8) {
     x.bias();
     p.xu = x.biased.data();

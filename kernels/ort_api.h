@@ -18,6 +18,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define MXSPD_X86 1
 #endif
 
@@ -245,6 +248,19 @@ inline bool has_avx512() {
 // Ops with an AVX-512 path take it unless MXSPD_KERNELS_AVX2 is set (tests compare it with the AVX2 path).
 inline const bool kHasAvx512 = kHasAvx2 && has_avx512() && !std::getenv("MXSPD_KERNELS_AVX2");
 inline const bool kHasAvx512Vbmi = kHasAvx512 && __builtin_cpu_supports("avx512vbmi");
+// AMX's int8 tiles (Intel Xeon since Sapphire Rapids): the CPU has them, the OS saves their state (XCR0 bits 17
+// and 18: a VM may report AMX without enabling it, and then tile instructions fault) and grants this process
+// their use (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once: the permission is the process's).
+inline bool has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & (3u << 24)) != (3u << 24)) return false;  // AMX-TILE, AMX-INT8
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv may run
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+// MXMatMul's many-row int8 path multiplies on AMX tiles unless MXSPD_KERNELS_NO_AMX is set (the same bits).
+inline const bool kHasAmx = kHasAvx512Vbmi && !std::getenv("MXSPD_KERNELS_NO_AMX") && has_amx_int8();
 #endif
 
 // The ops, one per source file.

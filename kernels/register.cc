@@ -2,7 +2,8 @@
 // RegisterCustomOps, which adds the ai.mxspd domain with every op of this library. The compiler asks
 // mxspd_mx_preferred_layout_for (by ctypes) which MXFP6 weight layout to write for activations of that many
 // bits (kernels/mx_matmul.cc); mxspd_mx_preferred_layout, for int16 activations, is what libraries before
-// layout planes8 answered.
+// layout planes8 answered. mxspd_uses_amx says whether MXMatMul's many-row int8 path multiplies on AMX tiles
+// here (tests and benchmarks name the path they ran).
 
 #include <mutex>
 
@@ -32,4 +33,11 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
 extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout() { return mx_preferred_layout(16); }
 extern "C" __attribute__((visibility("default"))) int64_t mxspd_mx_preferred_layout_for(int64_t activation_bits) {
   return mx_preferred_layout(activation_bits);
+}
+extern "C" __attribute__((visibility("default"))) int64_t mxspd_uses_amx() {
+#ifdef MXSPD_X86
+  return kHasAmx;
+#else
+  return 0;
+#endif
 }

@@ -234,7 +234,9 @@ def test_every_path_gives_the_same_bits(tmp_path):
     (int8 activations: 12, 24, and 64 for MXFP4) the AVX-512 path decodes each weight once per call, 8 blocks
     of K at a time, 16 with int8 activations: K = 600 is whole tiles and a partial one), odd and even column
     counts, MXINT8's code -128, NaN and subnormal block scales, and zero and NaN activation blocks. (On a CPU
-    without AVX-512 VNNI and VBMI the first two runs take the same path.)"""
+    without AVX-512 VNNI and VBMI the first two runs take the same path.) Where AMX runs, int8 calls from 32 rows
+    multiply on its tiles (passes of 16 rows: 61 and 70 end in a partial one; K's 19 blocks an odd count) and a
+    fourth run without them must give the same bits."""
     rng = np.random.default_rng(6)
     # (weight bits, activation bits, layout); the codes of case i % 4 (then MXFP6 in PLANES, and int8 in PLANES8)
     cases = [*((w, a, TRIPLES) for w, a in itertools.product((6, 8), (16, 8))), (6, 16, PLANES), (6, 8, PLANES),
@@ -256,9 +258,9 @@ def test_every_path_gives_the_same_bits(tmp_path):
             f"s = [ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2)) for i in range({len(cases)})];"
             "[sys.stdout.buffer.write(x.run(None, {'a': np.load(d / f'a{r}.npy')})[0].tobytes())"
             f" for x in s for r in {ROW_COUNTS}]")
-    outs = every_path(code, str(tmp_path))
+    outs = every_path(code, str(tmp_path), paths=(*PATHS, NO_AMX))
     case = sum(ROW_COUNTS) * 33 * 4  # bytes per case
-    assert len(outs[0]) == len(cases) * case and outs[0] == outs[1] == outs[2]
+    assert len(outs[0]) == len(cases) * case and outs[0] == outs[1] == outs[2] == outs[3]
     assert outs[0][4 * case:6 * case] == outs[0][:2 * case]  # MXFP6 in any layout: the same bits
     assert outs[0][6 * case:7 * case] == outs[0][case:2 * case]
     fp4 = np.frombuffer(outs[0][7 * case:], np.float32)
@@ -267,6 +269,17 @@ def test_every_path_gives_the_same_bits(tmp_path):
     assert np.isnan(y).any() and np.isfinite(y).mean() > 0.9  # the NaN cases took effect, the rest did not
     tiny = np.abs(y[np.isfinite(y)])
     assert ((tiny > 0) & (tiny < np.finfo(np.float32).tiny)).any()  # and the subnormal ones
+
+
+@needs_library
+def test_amx_runs_only_where_the_cpu_has_it_and_the_variable_allows():
+    """The library takes AMX's tiles only on a CPU that reports them (an OS may still not enable them: then
+    neither run takes them), and never under MXSPD_KERNELS_NO_AMX: the bits tests above compare the two."""
+    code = "import kernels; print(kernels.uses_amx())"
+    default, without = every_path(code, paths=({}, NO_AMX))
+    assert without == b"False\n"
+    if "amx_int8" not in open("/proc/cpuinfo").read():
+        assert default == b"False\n"
 
 
 @needs_library
@@ -316,8 +329,8 @@ def test_scale_products_by_exponent_give_the_multiply_s_bits(tmp_path):
             f"s = [ort.InferenceSession(str(d / f'{{i}}.onnx'), session_options(2)) for i in range({len(cases)})];"
             f"[sys.stdout.buffer.write(x.run(None, {{'a': np.load(d / f'a{{j}}.npy')}})[0].tobytes())"
             f" for x in s for j in range({len(acts)})]")
-    outs = every_path(code, str(tmp_path))
-    assert len(outs[0]) == len(cases) * len(acts) * 64 * n * 4 and outs[0] == outs[1] == outs[2]
+    outs = every_path(code, str(tmp_path), paths=(*PATHS, NO_AMX))
+    assert len(outs[0]) == len(cases) * len(acts) * 64 * n * 4 and outs[0] == outs[1] == outs[2] == outs[3]
     y = np.frombuffer(outs[0], np.float32).reshape(len(cases), len(acts), 64, n)[:, 0]  # the wide call
     added = np.concatenate([y[:, :, :32], y[:, :, -16:]], axis=2)
     assert np.isfinite(added).all() and (added != 0).mean() > 0.99  # the tiles that add: real sums
@@ -375,12 +388,13 @@ def test_a_library_older_than_planes8_gets_its_own_choice(monkeypatch, tmp_path)
 
 
 PATHS = ({}, {"MXSPD_KERNELS_AVX2": "1"}, {"MXSPD_KERNELS_PORTABLE": "1"})  # widest the CPU has, AVX2, scalar
+NO_AMX = {"MXSPD_KERNELS_NO_AMX": "1"}  # the widest path less AMX's tiles (the same as the first where it has none)
 
 
-def every_path(code: str, *args: str, stdin: bytes = b"") -> list[bytes]:
-    """What `python -c code args` prints with each of the library's code paths (PATHS), in that order."""
+def every_path(code: str, *args: str, stdin: bytes = b"", paths: tuple[dict[str, str], ...] = PATHS) -> list[bytes]:
+    """What `python -c code args` prints with each of the library's code paths (`paths`), in that order."""
     outs = []
-    for path in PATHS:
+    for path in paths:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MXSPD_KERNELS_")} | path
         outs.append(subprocess.run([sys.executable, "-c", code, *args], env=env, check=True, input=stdin,
                                    capture_output=True).stdout)

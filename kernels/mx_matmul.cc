@@ -49,10 +49,11 @@
 // weight_bits = 4: MXFP4 E2M1 (integers 2 * value, |w| <= 12; 4.25 bits per weight), layout 2 (planes8's
 // positions) and int8 activations only: W uint8 [G, K/32, 256], chunk q's 32 bytes holding position i in
 // bits 0-3 of byte i and position 32 + i in bits 4-7. Few rows on AVX2: a 16-entry lookup gives the
-// magnitudes, each weight's sign moves onto its activation (as planes8), and a block's 8 chunks of pair
-// sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384) before one vpmaddwd; many rows: the tile decoded once
-// to signed bytes for the biased int8 pass loop. On AVX-512 one vpermb gives a chunk's weights + 12
-// for vpdpbusd, by the rows' signed activations, less 12 x each row's block sum (group_avx512_int8).
+// weights + 12 for vpmaddubsw by the rows' signed activations, 4 chunks' pair sums added as int16
+// (<= 4 x 2 x 24 x 127 = 24,384) before one vpmaddwd, less 12 x each row's block sum; many rows: the
+// tile decoded once to signed bytes for the biased int8 pass loop (4 chunks in int16 too). On AVX-512
+// one vpermb gives a chunk's weights + 12 for vpdpbusd, by the rows' signed activations, less 12 x each
+// row's block sum (group_avx512_int8).
 //
 // prologue (kernels/prologue.h), computed on the input rows before they are rounded, in place of a
 // node of its own (compiler/matmul_prologue.py):
@@ -100,13 +101,12 @@ struct CodeTable {
 };
 const CodeTable kCodes;
 
-// 2 * value of every E2M1 code (bit 3: sign, bits 1-2: exponent, bit 0: mantissa) and its magnitude,
-// twice over: one 16-entry byte shuffle per 128-bit lane.
+// 2 * value of every E2M1 code (bit 3: sign, bits 1-2: exponent, bit 0: mantissa), twice over: one
+// 16-entry byte shuffle per 128-bit lane.
 struct Fp4Table {
   alignas(32) int8_t weight[32];
-  alignas(32) uint8_t magnitude[32];
   alignas(64) uint8_t offset[64];  // weight + 12 (0 .. 24), four times over: vpermb's 64 entries, read by a
-                                   // code's low 4 bits alone
+                                   // code's low 4 bits alone (its first 32: AVX2's shuffle)
   Fp4Table() {
     for (int i = 0; i < 64; ++i) {
       const int c = i % 16, e = (c >> 1) & 3, m = c & 1;
@@ -114,7 +114,6 @@ struct Fp4Table {
       offset[i] = static_cast<uint8_t>(signed_w + 12);
       if (i >= 32) continue;
       weight[i] = static_cast<int8_t>(signed_w);
-      magnitude[i] = static_cast<uint8_t>(w);
     }
   }
 };
@@ -187,7 +186,8 @@ struct Activations {
   std::vector<uint8_t> biased;  // [KB, M, 32]: int8 activations + 128 (bias(), for the AVX2 and AVX-512
                                 // many-row paths)
   std::vector<int8_t> signs;    // [KB, M, 64]: int8 activations, then their negations (sign(), planes8's rows)
-  std::vector<int8_t> bytes;    // [KB, M, 32]: int8 activations (narrow(), the few-row int8 loop on AVX-512)
+  std::vector<int8_t> bytes;    // [KB, M, 32]: int8 activations (narrow(), the few-row int8 loops on AVX-512
+                                // and MXFP4's on AVX2)
   std::vector<int32_t> sums;    // [KB, M]: each block's sum of them
 
   void fill(const float* a, int64_t m, int64_t k, int64_t kb, float qmax) {
@@ -337,7 +337,8 @@ struct Problem {
   float* y;           // [M, N]
   int64_t m, n, kb;
   Layout layout;      // of MXFP6 weights (MXFP4: planes8's positions)
-  const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where the few-row int8 loop on AVX-512 reads them
+  const int8_t* xi = nullptr;   // [KB, M, 32]: the int8 activations, where the few-row int8 loops on AVX-512 (and
+                                // MXFP4's on AVX2) read them
   const int32_t* xt = nullptr;  // [KB, M]: each block's sum of them
   // The exponent fields of the call's activation scales, where all are normal floats (xs_normal): the
   // AVX-512 many-row path's exponent products.
@@ -596,7 +597,7 @@ __attribute__((target("avx2,fma"))) void group_avx2(const Problem<WBits>& p, int
 // them to int32: the block's exact integer sums, so the bits are the int16 loop's on the same integers.
 // ~35 vector operations per 128 codes against ~58 for the int16 loop.
 // Row r's 4 activations of chunk q and their negations, each broadcast to every 32-bit lane (xb: the rows'
-// activations then their negations, 64 bytes a row): what planes8's and MXFP4's few-row loops blend by sign.
+// activations then their negations, 64 bytes a row): what planes8's few-row loop blends by sign.
 __attribute__((target("avx2,fma"))) inline void row_quads_avx2(const int8_t* xb, int r, int q, __m256i* x, __m256i* n) {
   int32_t x4, n4;
   std::memcpy(&x4, xb + r * 2 * kBlock + 4 * q, 4);
@@ -637,40 +638,55 @@ __attribute__((target("avx2,fma"))) void group_avx2_int8(const Problem<6>& p, in
   for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
 }
 
+// MXFP4's chunks whose vpmaddubsw pair sums add in int16 before one vpmaddwd by ones widens them: a pair of
+// biased activations (<= 255) and weights (|w| <= 12), or of weights + 12 (<= 24) and activations
+// (|x| <= 127), stays within 6,120, so 4 chunks' sums stay within 24,480 (5 would still fit; a block's 8
+// would not). On the many-row loop 10 multiplies per 4 chunks and row instead of 16 (1.5x its rate in L1
+// on a Zen 3). MXFP6's |w| <= 60 allows one pair (<= 30,600): its chunks widen one by one.
+constexpr int kFp4Chunks16 = 4;
+
 // ---- AVX2, MXFP4 weights with int8 activations (one row to a few) -----------------------------------
 // A chunk's 32 bytes are its two registers' nibbles (positions i and 32 + i of planes8's order): one
-// 16-entry lookup per register gives the magnitudes (<= 12), and each nibble's sign bit, moved to bit 7
-// (the low nibble's by 4 doublings; the high nibble's is there), picks x or -x as planes8's loop does.
-// A block's 8 chunks' pair sums add as int16 (<= 8 x 2 x 12 x 127 = 24,384: no saturation) before one
-// vpmaddwd by ones: the block's exact integer sums, the bits of every other path.
+// 16-entry lookup per register gives the weights + 12 (unsigned, 0 .. 24), which vpmaddubsw multiplies by
+// the row's signed activations, as the AVX-512 loop does: a pair stays within 2 x 24 x 127 = 6,096, so 4
+// chunks' pair sums add as int16 (<= 24,384: no saturation) before one vpmaddwd by ones, and 12 times the
+// row's block sum comes off the block's: its exact integer sums, the bits of every other path. Per 4
+// chunks and row: 4 broadcasts, 8 vpmaddubsw, 8 int16 adds, 2 vpmaddwd; the decode is 5 operations a
+// chunk for every row. (Before 2026-12-02 the magnitudes met activations whose sign each weight's chose,
+// a blend a register and row: 1.3x the operations at one row.)
 template <int Rows>
 __attribute__((target("avx2,fma"))) void group_avx2_fp4(const Problem<4>& p, int64_t g, int64_t row0) {
   __m256 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4.magnitude));
+  const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4.offset));
   for (int64_t b = 0; b < p.kb; ++b) {
     const uint8_t* blk = p.block(g, b);
     prefetch_ahead<4, 1024>(blk);
-    const int8_t* xb = p.x_signs(row0, b);  // row r's 32 activations at xb + 64 r, their negations 32 further
-    __m256i s16[Rows][2];
-    for (int r = 0; r < Rows; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int q = 0; q < kChunks; ++q) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q * kChunkBytes<4>));
-      const __m256i mag[2] = {_mm256_shuffle_epi8(table, _mm256_and_si256(v, low4)),
-                              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4))};
-      const __m256i sign[2] = {_mm256_slli_epi16(v, 4), v};
-      for (int r = 0; r < Rows; ++r) {
-        __m256i x, n;
-        row_quads_avx2(xb, r, q, &x, &n);
-        for (int h = 0; h < 2; ++h)
-          s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(mag[h], _mm256_blendv_epi8(x, n, sign[h])));
-      }
-    }
+    const int8_t* xb = p.x_bytes(row0, b);  // row r's 32 activations at xb + 32 r
+    const int32_t* xt = p.x_sum(row0, b);
     __m256i sum[Rows][2];
-    for (int r = 0; r < Rows; ++r)
-      for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_madd_epi16(s16[r][h], ones);
+    for (int r = 0; r < Rows; ++r) sum[r][0] = sum[r][1] = _mm256_set1_epi32(-12 * xt[r]);
+    for (int q0 = 0; q0 < kChunks; q0 += kFp4Chunks16) {
+      __m256i s16[Rows][2];
+#pragma GCC unroll 4
+      for (int q = q0; q < q0 + kFp4Chunks16; ++q) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + q * kChunkBytes<4>));
+        const __m256i w[2] = {_mm256_shuffle_epi8(table, _mm256_and_si256(v, low4)),
+                              _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4))};
+        for (int r = 0; r < Rows; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+          const __m256i x = _mm256_set1_epi32(x4);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i prod = _mm256_maddubs_epi16(w[h], x);
+            s16[r][h] = q == q0 ? prod : _mm256_add_epi16(s16[r][h], prod);
+          }
+        }
+      }
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(s16[r][h], ones));
+    }
     block_step_avx2<4, Rows>(p, g, b, row0, sum, acc);
   }
   for (int r = 0; r < Rows; ++r) store_columns_avx2(acc[r][0], acc[r][1], p.y + (row0 + r) * p.n + g * kGroup, p.columns(g));
@@ -690,7 +706,8 @@ __attribute__((target("avx2,fma"))) void group_avx2_fp4(const Problem<4>& p, int
 //     (32), one vpmaddwd by ones and one add per 8 columns and 4 codes, less 128 times each column's
 //     code sum per block (found once per tile). |w| <= 60, so a pair of products stays below 2^15 (no
 //     saturation) and the sum is exact. 1.35-1.45x the int16 loop's rate on a Zen 3 (MXINT8's codes,
-//     up to 127, could saturate: they keep the int16 loop). MXFP4 (|w| <= 12) takes it too.
+//     up to 127, could saturate: they keep the int16 loop). MXFP4 (|w| <= 12) takes it too, adding
+//     kFp4Chunks16 chunks' pair sums as int16 before each vpmaddwd.
 
 constexpr int kTileBlocks2 = 8;   // K blocks decoded at a time: 1 KiB of int16 (or 512 B of int8) per block
 constexpr int kChunkShorts = 64;  // a chunk as int16: [pair 2q, pair 2q + 1] x [the two ColumnOrder halves] x 16
@@ -785,16 +802,34 @@ __attribute__((target("avx2,fma"))) void gemm_pass_avx2(const Problem<WBits>& p,
       const uint8_t* xb = p.x_biased(row0, b);  // row r's 32 biased activations at xb + 32 r
       const int8_t* d = t.codes + (b - b0) * kChunks * kChunkBytes8;
       const __m256i ones = _mm256_set1_epi16(1);
+      if constexpr (WBits == 4) {  // kFp4Chunks16 chunks' pair sums in int16, then one widening
+        for (int q0 = 0; q0 < kChunks; q0 += kFp4Chunks16)
+          for (int r = 0; r < Rows; ++r) {
+            __m256i pairs[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+            for (int q = q0; q < q0 + kFp4Chunks16; ++q) {
+              int32_t x4;
+              std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+              const __m256i v = _mm256_set1_epi32(x4);
+              for (int h = 0; h < 2; ++h) {
+                const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8 + 32 * h));
+                pairs[h] = _mm256_add_epi16(pairs[h], _mm256_maddubs_epi16(v, w));
+              }
+            }
+            for (int h = 0; h < 2; ++h) sum[r][h] = _mm256_add_epi32(sum[r][h], _mm256_madd_epi16(pairs[h], ones));
+          }
+      } else {
 #pragma GCC unroll 1  // unrolled, GCC hoisted every chunk's products and spilled them
-      for (int q = 0; q < kChunks; ++q) {
-        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8));
-        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8 + 32));
-        for (int r = 0; r < Rows; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
-          const __m256i v = _mm256_set1_epi32(x4);
-          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w0), ones));
-          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w1), ones));
+        for (int q = 0; q < kChunks; ++q) {
+          const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8));
+          const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + q * kChunkBytes8 + 32));
+          for (int r = 0; r < Rows; ++r) {
+            int32_t x4;
+            std::memcpy(&x4, xb + r * kBlock + 4 * q, 4);
+            const __m256i v = _mm256_set1_epi32(x4);
+            sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w0), ones));
+            sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v, w1), ones));
+          }
         }
       }
       const __m256i* bias = reinterpret_cast<const __m256i*>(t.bias + (b - b0) * kGroup);
@@ -1517,7 +1552,10 @@ OrtStatus* run(OrtKernelContext* ctx, const float* a, const void* w, const void*
     }
     return g_api.parallel_for(ctx, gemm_avx2<WBits>(layout, activation_bits), groups, &p);
   }
-  if (kHasAvx2 && !wide && layout == kPlanes8) {
+  if (kHasAvx2 && !wide && WBits == 4) {  // MXFP4's few-row loop: the int8 activations and their block sums
+    x.narrow();
+    p.xi = x.bytes.data(), p.xt = x.sums.data();
+  } else if (kHasAvx2 && !wide && layout == kPlanes8) {
     x.sign();
     p.xn = x.signs.data();
   }

@@ -651,7 +651,7 @@ constexpr int kFp4Chunks16 = 4;
 // the row's signed activations, as the AVX-512 loop does: a pair stays within 2 x 24 x 127 = 6,096, so 4
 // chunks' pair sums add as int16 (<= 24,384: no saturation) before one vpmaddwd by ones, and 12 times the
 // row's block sum comes off the block's: its exact integer sums, the bits of every other path. Per 4
-// chunks and row: 4 broadcasts, 8 vpmaddubsw, 8 int16 adds, 2 vpmaddwd; the decode is 5 operations a
+// chunks and row: 4 broadcasts, 8 vpmaddubsw, 6 int16 adds, 2 vpmaddwd; the decode is 5 operations a
 // chunk for every row. (Before 2026-12-02 the magnitudes met activations whose sign each weight's chose,
 // a blend a register and row: 1.3x the operations at one row.)
 template <int Rows>

@@ -345,10 +345,9 @@ def test_the_largest_int8_products_are_exact_on_the_many_row_path(wbits, layout)
     (2^15 - 1), nor PLANES8's one-row sums of two chunks' pairs (4 x 127 x 60 = 30,480 where a column's
     weights and a row's activations share their signs: column 0 and row 0): a 70-row call gives each row
     the bits it gets alone, and the exact products to float32 rounding (a saturated pair would be off by
-    thousands of steps). MXFP4 at +-12 (2 x 6): a block's 8 chunks of pairs, 8 x 2 x 12 x 127 = 24,384, and
-    the AVX2 many-row path's biased pairs of 4 chunks summed in int16, 4 x 2 x 255 x 12 = 24,480 (row 0 and
-    column 0; 8 chunks would wrap), and its one-row loop's weights + 12 by the activations, 4 chunks in int16:
-    4 x 2 x 24 x 127 = 24,384.
+    thousands of steps). MXFP4 at +-12 (2 x 6): the AVX2 many-row path's biased pairs of 4 chunks summed in
+    int16, 4 x 2 x 255 x 12 = 24,480 (row 0 and column 0; 8 chunks would wrap), and its one-row loop's
+    weights + 12 by the activations, 4 chunks in int16: 4 x 2 x 24 x 127 = 24,384.
     70 rows: every many-row loop (AVX-512 takes MXFP4's from 64).
     MXINT8 at 127 / -128 (the AVX-512 path's biased vpdpbusd: 4 x 255 x 128 per lane, in int32)."""
     k, n = 64, 32

@@ -35,7 +35,7 @@
 //
 // Code paths: AVX-512 with VNNI and VBMI (codes unpacked by byte permutes, up to 12 rows per pass),
 // AVX2 (up to 6 rows per pass; int8 activations on planes8: vpmaddubsw), portable; from 16 rows (MXINT8:
-// 8 on AVX2, 32 on AVX-512; MXFP4: 8 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
+// 8 on AVX2, 32 on AVX-512; MXFP4: 5 on AVX2) the AVX-512 and AVX2 paths decode each weight once per call
 // and pass over it for every row (int8 activations: vpmaddubsw on AVX2 with MXFP6 and MXFP4 weights,
 // vpdpbusd on AVX-512 with every width, from 12 rows for MXFP6, 24 for MXINT8, 64 for MXFP4). Fewer rows
 // of int8 activations on AVX-512 multiply bytes too (group_avx512_int8: weights + an offset by the signed
@@ -715,9 +715,10 @@ constexpr int kChunkBytes8 = 64;  // a chunk as int8: [the two ColumnOrder halve
 // Calls with at least this many rows take this path: where it was faster on a Zen 3 at Llama-2-7B's MLP
 // shape (MXFP6 1.06-1.11x at 16 rows, 0.91-0.95x at 8; MXINT8, whose one-row kernel's chunks cost it more
 // passes of loads, 1.14-1.15x at 8 rows; docs/benchmarks.md).
-// MXFP4 from 8 rows too: at 7 and 8 rows the two paths' cost per row was within a Zen 3's noise.
+// MXFP4 from 5 rows since its 4 chunks in int16 (2026-12-02, Zen 3: 1.11x / 1.11x at 5 rows, 1.18-1.22x at 6
+// and 7, 0.94x / 1.09x at 4).
 template <int WBits>
-constexpr int kGemmMinRows2 = WBits == 6 ? 16 : 8;
+constexpr int kGemmMinRows2 = WBits == 6 ? 16 : WBits == 4 ? 5 : 8;
 
 // The integer step of a tile: int16 (Int8 false) or biased int8 activations (MXFP6 and MXFP4 weights).
 template <bool Int8>

@@ -25,7 +25,7 @@ import numpy as np
 from runtime.artifact import Artifact
 from runtime.engine import check_fits, make_requests
 from runtime.forest import Forest
-from runtime.load import load_artifact
+from runtime.load import artifact_of
 from runtime.multi import MultiMetrics
 from runtime.request import check_int, check_optional_bool, decoding, encode_prompt
 
@@ -137,7 +137,7 @@ def beam_search(
     check_optional_bool("chat", chat)
     if rows_per_call is not None:
         check_int("rows_per_call", rows_per_call, 1)
-    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    art = artifact_of(artifact)
     ids = encode_prompt(art, prompt, chat)
     max_new = d.new_tokens(art)
     check_fits(art, make_requests(art, ids, [d] * num_beams, [None] * num_beams), "beams")  # as n choices

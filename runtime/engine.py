@@ -291,11 +291,10 @@ class Engine:
         proposals, chosen = self._propose(speculating, len(running)) if speculating else ({}, {})
         draft_s = time.perf_counter() - draft_s
         running = [r for r in running if r in self.live]  # a draft model's NaN ends only its own request
-        fed, chains, sees, keep = [], [], [], []  # a running request's newest token and this round's proposal
+        fed, chains, sees, keep = list(running), [], [], []  # each running request's newest token and proposal
         for req in running:
             proposal = proposals.get(id(req), NONE)
             tokens, _, tree = proposal.rows(req.tokens[-1]) if not proposal.empty else ([req.tokens[-1]], None, None)
-            fed.append(req)
             chains.append(list(tokens))
             sees.append(tree)
             keep.append(len(tokens))  # drafts: every row's logits

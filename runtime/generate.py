@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.artifact import Artifact
 from runtime.engine import Request, check_fits, engine_of
-from runtime.load import load_artifact
+from runtime.load import artifact_of
 from runtime.model_runner import NonFiniteLogitsError
 from runtime.multi import MultiResult, collect, start_branches
 from runtime.request import (
@@ -111,7 +111,7 @@ def start_generation(
     check_optional_bool("chat", chat)
     if draft_sampling is not None and not isinstance(draft_sampling, SamplingParams):
         raise TypeError(f"draft_sampling must be a SamplingParams or None, got {type(draft_sampling).__name__}")
-    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    art = artifact_of(artifact)
     method = speculation_method(art, speculative)
     settings = method_settings(art, method, lookahead, prompt_lookup)
     check_draft_length(art, method, settings, draft_length)

@@ -21,3 +21,8 @@ def load_artifact(path: str | Path, verify: bool = True, threads: int | None = N
     warm_up(art, method, method_settings(art, method, None, None))
     art.load_seconds = time.perf_counter() - start  # opening and warming up
     return art
+
+
+def artifact_of(artifact: str | Path | Artifact) -> Artifact:
+    """An entry point's artifact: the one given, or the one at that path, loaded."""
+    return artifact if isinstance(artifact, Artifact) else load_artifact(artifact)

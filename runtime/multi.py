@@ -15,7 +15,7 @@ import numpy as np
 
 from runtime.artifact import Artifact
 from runtime.engine import Engine, Event, Request, check_fits, make_requests
-from runtime.load import load_artifact
+from runtime.load import artifact_of
 from runtime.model_runner import NonFiniteLogitsError
 from runtime.request import Decoding, check_int, check_optional_bool, decoding, encode_prompt, token_ids
 from runtime.results import GenerationResult, TextPieces
@@ -116,7 +116,7 @@ def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int],
         raise ValueError("speculative decoding runs one sequence per call; with n the branches share each "
                          "call instead: leave speculative unset (or False)")
     check_optional_bool("chat", chat)
-    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    art = artifact_of(artifact)
     d = d.with_recipe(art)
     if n > 1 and not d.params.do_sample:
         raise ValueError(f"n = {n} greedy branches would all be the same sequence: pass do_sample=True for "
@@ -133,7 +133,7 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
     if not questions:
         raise ValueError("questions is empty: give at least one question")
     d = decoding(**sampling)
-    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
+    art = artifact_of(artifact)
     d, max_new = d.with_recipe(art), d.new_tokens(art)
     if context is None or len(context) == 0:
         shared, chains = [], [encode_prompt(art, q) for q in questions]

@@ -140,17 +140,18 @@ def agreement(table: NgramTable, sequences: Sequence[tuple[Sequence[int], Sequen
 def match_agreement(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], ngram: int = 3) -> dict:
     """The same for prompt lookup's matches in the text so far (prompt and answer), per match length:
     what the draft policy expects of each kind of draft before it has seen any (runtime/prompt_lookup.py)."""
-    from runtime.prompt_lookup import lookup_match
+    from runtime.prompt_lookup import TextIndex
 
     seen, right, total = Counter(), Counter(), 0
     for prompt, reply in sequences:
-        text = np.asarray([*prompt, *reply], np.int64)
-        for i in range(len(prompt), len(text)):
+        index = TextIndex(ngram, prompt)
+        for token in reply:
             total += 1
-            n, found = lookup_match(text[:i], ngram, 1)
+            n, found = index.match(1)
             if n:
                 seen[n] += 1
-                right[n] += int(found[0] == text[i])
+                right[n] += int(found[0] == token)
+            index.extend([token])
     return {str(n): {"share": seen[n] / max(total, 1), "right": right[n] / seen[n]} for n in sorted(seen)}
 
 

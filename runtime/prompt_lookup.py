@@ -20,36 +20,51 @@ from common.recipe import PromptLookupSettings
 from runtime.proposal import Drafter, Proposal
 
 
-def lookup_match(text: np.ndarray, ngram: int, max_draft: int) -> tuple[int, np.ndarray]:
-    """Up to max_draft tokens that followed the latest earlier match of text's last n tokens, for the
-    longest n <= ngram that matches (empty when none does), and that n (0: none). Runs every round,
-    so it only compares the last token everywhere, then its few earlier occurrences' predecessors."""
-    last = len(text) - 1
-    ends = np.flatnonzero(text[:-1] == text[-1]) if last > 0 else text[:0]  # where a match can end
-    for n in range(min(ngram, last), 0, -1):
-        hits = ends[ends >= n - 1]
-        for j in range(1, n):
-            hits = hits[text[hits - j] == text[last - j]]
-        if len(hits):
-            return n, text[hits[-1] + 1 : hits[-1] + 1 + max_draft]
-    return 0, text[:0]
+class TextIndex:
+    """A text, and where each of its n-grams (n <= ngram) last ended before its last token: a round's
+    match is up to `ngram` dictionary reads however long the text. (Comparing the last token with every
+    position took ~28 µs a round at 250 tokens, and grew with the text.)"""
+
+    def __init__(self, ngram: int, text: Sequence[int] = ()) -> None:
+        self.ngram, self.text, self.ends = ngram, [], {}
+        self.extend(text)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        text, ends = self.text, self.ends
+        for token in tokens:
+            p = len(text) - 1  # the last token becomes an earlier one: its n-grams can be matched now
+            for n in range(1, min(self.ngram, p + 1) + 1):
+                ends[tuple(text[p - n + 1 : p + 1])] = p
+            text.append(int(token))
+
+    def match(self, max_draft: int) -> tuple[int, list[int]]:
+        """Up to max_draft tokens that followed the latest earlier match of the text's last n tokens, for
+        the longest n <= ngram that matches (empty when none does), and that n (0: none)."""
+        text, last = self.text, len(self.text) - 1
+        for n in range(min(self.ngram, last), 0, -1):
+            end = self.ends.get(tuple(text[last - n + 1 :]))
+            if end is not None:
+                return n, text[end + 1 : end + 1 + max_draft]
+        return 0, []
 
 
 TABLE_KIND = 100  # kinds of draft: a match of n tokens is n (n <= 64); a table guess 100 + its confidence in tenths
 
 
-def draft(text: Sequence[int], settings: PromptLookupSettings, table: NgramTable | None) -> tuple[int, np.ndarray]:
+def draft(text: Sequence[int] | TextIndex, settings: PromptLookupSettings, table: NgramTable | None
+          ) -> tuple[int, np.ndarray]:
     """This round's draft and its kind (0: none). A match of one token was right 18% of the time on the
     default recipe's answers, the table's guesses at 0.4-0.5 confidence about a third, at 0.9 and
     above about 80% (docs/benchmarks-history.md): the table takes over where the text offers only a 1-token
     match."""
-    n, found = lookup_match(np.asarray(text, np.int64), settings.ngram, settings.max_draft)
+    index = text if isinstance(text, TextIndex) else TextIndex(settings.ngram, text)
+    n, found = index.match(settings.max_draft)
     if n < 2 and table is not None and settings.table:
-        confidence, guessed = table.chain(text, settings.max_draft, settings.min_confidence)
+        confidence, guessed = table.chain(index.text, settings.max_draft, settings.min_confidence)
         kind = TABLE_KIND + int(confidence * 10)
         if guessed:
             return kind, np.asarray(guessed, np.int64)
-    return n, found
+    return n, np.asarray(found, np.int64)
 
 
 def table_priors(table: NgramTable | None) -> dict[int, float]:
@@ -71,17 +86,17 @@ class PromptLookup(Drafter):
     def __init__(self, settings: PromptLookupSettings, table: NgramTable | None) -> None:
         self.settings, self.table = settings, table
         self.found = np.zeros(0, np.int64)  # this step's draft, offered and then proposed
-        self.text = np.zeros(0, np.int64)  # the committed text, converted as it grows (3,000 tokens at once: ~35 µs)
+        self.index = TextIndex(settings.ngram)  # the committed text, indexed as it grows
         self.matched_rounds = self.table_rounds = 0
 
     def start(self, committed: list[int]) -> None:
-        self.text = np.asarray(committed, np.int64)
+        self.index = TextIndex(self.settings.ngram, committed)
 
     def offer(self, committed: list[int], room: int) -> tuple[int, int]:
         # The policy weighs each kind apart: on the default recipe's answers, a 1-token match was right
         # 18% of the time, a 3-token one 63% (docs/benchmarks-history.md).
-        self.text = np.concatenate([self.text, np.asarray(committed[len(self.text):], np.int64)])  # what followed
-        kind, found = draft(self.text, self.settings, self.table)
+        self.index.extend(committed[len(self.index.text):])  # what followed
+        kind, found = draft(self.index, self.settings, self.table)
         self.found = found[:room]
         self.matched_rounds += 0 < kind < TABLE_KIND
         self.table_rounds += kind >= TABLE_KIND

@@ -17,7 +17,7 @@ from export.pipeline import build_artifact
 from recipes.default_pair import byte_tokenizer
 from runtime.engine import engine_of
 from runtime.model_runner import ModelRunner
-from runtime.prompt_lookup import lookup_match
+from runtime.prompt_lookup import TextIndex
 from tests.conftest import tiny_recipe
 
 
@@ -283,8 +283,9 @@ def test_the_next_generation_reuses_the_draft_models_cached_prefix(arts):
 
 
 def test_prompt_lookup_finds_the_latest_longest_match():
-    """`lookup_match` against the plain definition (every window of every length compared), on random texts over
-    small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 4."""
+    """`TextIndex.match` against the plain definition (every window of every length compared), on random texts
+    over small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 4, the index built whole and grown
+    token by token."""
     rng = np.random.default_rng(7)
 
     def reference(text: list[int], ngram: int, max_draft: int) -> list[int]:
@@ -298,8 +299,12 @@ def test_prompt_lookup_finds_the_latest_longest_match():
     for _ in range(2000):
         text = rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(0, 60))).tolist()
         ngram, max_draft = int(rng.integers(1, 5)), int(rng.integers(1, 9))
-        got = lookup_match(np.asarray(text, np.int64), ngram, max_draft)[1].tolist()
+        got = TextIndex(ngram, text).match(max_draft)[1]
         assert got == reference(text, ngram, max_draft), (text, ngram, max_draft)
+        grown = TextIndex(ngram, text[:1])
+        for i in range(2, len(text) + 1):
+            grown.extend(text[i - 1 : i])
+            assert grown.match(max_draft)[1] == reference(text[:i], ngram, max_draft), (text[:i], ngram, max_draft)
         found += bool(got)
     assert 500 < found < 2000  # matches and misses both
 

@@ -21,31 +21,44 @@ from runtime.proposal import Drafter, Proposal
 
 
 class TextIndex:
-    """A text, and where each of its n-grams (n <= ngram) last ended before its last token: a round's
-    match is up to `ngram` dictionary reads however long the text. (Comparing the last token with every
-    position took ~28 µs a round at 250 tokens, and grew with the text.)"""
+    """A text, where each token last ended before the text's end, and where each pair of tokens ended, so
+    that a round's match reads the earlier ends of the text's last pair (few), not every position of the
+    text (comparing the last token with every position took ~28 µs a round at 250 tokens, growing with the
+    text). Two entries a token, whatever `ngram`: one per n-gram length would hold 64 a token at ngram 64."""
 
     def __init__(self, ngram: int, text: Sequence[int] = ()) -> None:
-        self.ngram, self.text, self.ends = ngram, [], {}
+        self.ngram, self.text = ngram, []
+        self.token_end: dict[int, int] = {}
+        self.pair_ends: dict[tuple[int, int], list[int]] = {}  # in text order
         self.extend(text)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        text, ends = self.text, self.ends
+        text = self.text
         for token in tokens:
-            p = len(text) - 1  # the last token becomes an earlier one: its n-grams can be matched now
-            for n in range(1, min(self.ngram, p + 1) + 1):
-                ends[tuple(text[p - n + 1 : p + 1])] = p
+            p = len(text) - 1  # the last token becomes an earlier one: a match can end there now
+            if p >= 0:
+                self.token_end[text[p]] = p
+            if p >= 1:
+                self.pair_ends.setdefault((text[p - 1], text[p]), []).append(p)
             text.append(int(token))
 
     def match(self, max_draft: int) -> tuple[int, list[int]]:
         """Up to max_draft tokens that followed the latest earlier match of the text's last n tokens, for
         the longest n <= ngram that matches (empty when none does), and that n (0: none)."""
         text, last = self.text, len(self.text) - 1
-        for n in range(min(self.ngram, last), 0, -1):
-            end = self.ends.get(tuple(text[last - n + 1 :]))
-            if end is not None:
-                return n, text[end + 1 : end + 1 + max_draft]
-        return 0, []
+        most, n_best, end = min(self.ngram, last), 0, -1
+        if most >= 2:  # the earlier ends of the last pair, latest first: each one's match length
+            for j in reversed(self.pair_ends.get((text[last - 1], text[last]), ())):
+                n = 2
+                while n < most and n <= j and text[j - n] == text[last - n]:
+                    n += 1
+                if n > n_best:
+                    n_best, end = n, j
+                    if n == most:
+                        break
+        if not n_best and most >= 1 and text[last] in self.token_end:
+            n_best, end = 1, self.token_end[text[last]]
+        return n_best, text[end + 1 : end + 1 + max_draft] if n_best else []
 
 
 TABLE_KIND = 100  # kinds of draft: a match of n tokens is n (n <= 64); a table guess 100 + its confidence in tenths

@@ -284,7 +284,7 @@ def test_the_next_generation_reuses_the_draft_models_cached_prefix(arts):
 
 def test_prompt_lookup_finds_the_latest_longest_match():
     """`TextIndex.match` against the plain definition (every window of every length compared), on random texts
-    over small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 4, the index built whole and grown
+    over small vocabularies (many matches), lengths 0 to 60, n-grams 1 to 8, the index built whole and grown
     token by token."""
     rng = np.random.default_rng(7)
 
@@ -298,7 +298,7 @@ def test_prompt_lookup_finds_the_latest_longest_match():
     found = 0
     for _ in range(2000):
         text = rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(0, 60))).tolist()
-        ngram, max_draft = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        ngram, max_draft = int(rng.integers(1, 9)), int(rng.integers(1, 9))
         got = TextIndex(ngram, text).match(max_draft)[1]
         assert got == reference(text, ngram, max_draft), (text, ngram, max_draft)
         grown = TextIndex(ngram, text[:1])
@@ -307,6 +307,22 @@ def test_prompt_lookup_finds_the_latest_longest_match():
             assert grown.match(max_draft)[1] == reference(text[:i], ngram, max_draft), (text[:i], ngram, max_draft)
         found += bool(got)
     assert 500 < found < 2000  # matches and misses both
+
+
+def test_the_prompt_lookup_index_does_not_grow_with_its_ngram():
+    """A server holds one index per request: one with an entry per n-gram length held 64 a token at ngram 64
+    (~70 MB for a 4,000-token text). This one holds two a token whatever its ngram."""
+    import tracemalloc
+
+    text = np.random.default_rng(5).integers(0, 50, 4000).tolist()
+    sizes = {}
+    for ngram in (3, 64):
+        tracemalloc.start()
+        index = TextIndex(ngram, text)
+        sizes[ngram] = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert index.match(8)[0] >= 1
+    assert sizes[64] < 2 * sizes[3] and sizes[64] < 2_000_000, sizes  # one entry per length: 86 MB against 0.8
 
 
 def test_prompt_lookup_offers_on_a_growing_text_what_it_offers_on_the_whole():

@@ -10,7 +10,8 @@ fewer calls, each with more to verify, so per call alone misreads it). With a dr
 artifact, speculation with it too (the adaptive policy, and a fixed draft length of 3); its host µs
 per call counts the calls of both models. Each generation starts cold (every model's cache
 forgotten). The checkouts alternate `--rounds` times (the machine drifts), and the table shows every
-round and this tree's median over the other's.
+round and this tree's median over the other's. An older checkout runs this tree's artifact with its own
+runtime: copy this tree's kernel library into its kernels/ (the artifact's kernel layouts may be newer).
 """
 
 from __future__ import annotations

@@ -21,15 +21,16 @@ from runtime.proposal import Drafter, Proposal
 
 
 class TextIndex:
-    """A text, where each token last ended before the text's end, and where each pair of tokens ended, so
-    that a round's match reads the earlier ends of the text's last pair (few), not every position of the
-    text (comparing the last token with every position took ~15 µs a round at 250 tokens, growing with the
-    text). Two entries a token, whatever `ngram`: one per n-gram length would hold 64 a token at ngram 64."""
+    """A text and where its n-grams ended before its last token, updated as tokens are committed: a round
+    reads the latest end of the text's last 3, 2 and 1 tokens (the old match compared the last token with
+    every position: ~15 µs a round at 250 tokens, growing with the text). Above ngram = 3, each triple's ends
+    are kept too, and a round reads the earlier ends of the last triple for longer matches. Three or four
+    entries a token whatever ngram (one per n-gram length held 64 a token at ngram 64)."""
 
     def __init__(self, ngram: int, text: Sequence[int] = ()) -> None:
         self.ngram, self.text = ngram, []
-        self.token_end: dict[int, int] = {}
-        self.pair_ends: dict[tuple[int, int], list[int]] = {}  # in text order
+        self.latest: list[dict] = [{}, {}, {}]  # n = 1, 2, 3: each n-gram's latest end (keys: token, tuples)
+        self.triple_ends: dict[tuple[int, int, int], list[int]] = {}  # ngram > 3 only, in text order
         self.extend(text)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -37,9 +38,14 @@ class TextIndex:
         for token in tokens:
             p = len(text) - 1  # the last token becomes an earlier one: a match can end there now
             if p >= 0:
-                self.token_end[text[p]] = p
+                self.latest[0][text[p]] = p
             if p >= 1:
-                self.pair_ends.setdefault((text[p - 1], text[p]), []).append(p)
+                self.latest[1][(text[p - 1], text[p])] = p
+            if p >= 2:
+                triple = (text[p - 2], text[p - 1], text[p])
+                self.latest[2][triple] = p
+                if self.ngram > 3:
+                    self.triple_ends.setdefault(triple, []).append(p)
             text.append(int(token))
 
     def match(self, max_draft: int) -> tuple[int, list[int]]:
@@ -47,17 +53,21 @@ class TextIndex:
         the longest n <= ngram that matches (empty when none does), and that n (0: none)."""
         text, last = self.text, len(self.text) - 1
         most, n_best, end = min(self.ngram, last), 0, -1
-        if most >= 2:  # the earlier ends of the last pair, latest first: each one's match length
-            for j in reversed(self.pair_ends.get((text[last - 1], text[last]), ())):
-                n = 2
+        if most > 3:  # the last triple's earlier ends, latest first: each one's match length
+            for j in reversed(self.triple_ends.get(tuple(text[last - 2 :]), ())):
+                n = 3
                 while n < most and n <= j and text[j - n] == text[last - n]:
                     n += 1
                 if n > n_best:
                     n_best, end = n, j
                     if n == most:
                         break
-        if not n_best and most >= 1 and text[last] in self.token_end:
-            n_best, end = 1, self.token_end[text[last]]
+        for n in range(min(most, 3), 0, -1):
+            if n_best:
+                break
+            found = self.latest[n - 1].get(text[last] if n == 1 else tuple(text[last - n + 1 :]))
+            if found is not None:
+                n_best, end = n, found
         return n_best, text[end + 1 : end + 1 + max_draft] if n_best else []
 
 

@@ -66,6 +66,11 @@ V_DOWN6_HEAD6 = {"mx_int8": (), "mx_fp6": ("v_proj", "down_proj"), "mx_lm_head":
 LAYERS6 = ("layers.0.", "layers.1.", "layers.20.", "layers.4.", "layers.2.", "layers.8.", "layers.7.", "layers.12.",
            "layers.11.")
 SENSITIVE6_LAYERS6 = SENSITIVE6 | {"mx_fp6": SENSITIVE + LAYERS6}
+# The same bits spent otherwise: the head MXFP6 frees 7 MB a token, which keep every other layer's MLP in MXFP6 too;
+# MXFP4 stays on the gate and up projections of the 4 layers that cost least KL there (the same ranking).
+LAYERS4 = ("layers.14.", "layers.6.", "layers.5.", "layers.13.")
+MOSTLY6_HEAD6 = {"mx_int8": (), "mx_fp6": ("self_attn", "down_proj") + tuple(
+    f"layers.{i}." for i in range(30) if f"layers.{i}." not in LAYERS4), "mx_lm_head": "fp6"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)
@@ -98,6 +103,8 @@ CONFIGS = {  # name -> (mx_format, lowering, block exponent choice, other TLM se
     "fp4_e2m1 native min_error +v_down6 +head6": ("fp4_e2m1", "native", "min_error", V_DOWN6_HEAD6),
     "fp4_e2m1 native min_error +sensitive6 +layers6": ("fp4_e2m1", "native", "min_error", SENSITIVE6_LAYERS6),
     "fp4_e2m1 native8 min_error +sensitive6 +layers6": ("fp4_e2m1", "native8", "min_error", SENSITIVE6_LAYERS6),
+    "fp4_e2m1 native min_error +mostly6 +head6": ("fp4_e2m1", "native", "min_error", MOSTLY6_HEAD6),
+    "fp4_e2m1 native8 min_error +mostly6 +head6": ("fp4_e2m1", "native8", "min_error", MOSTLY6_HEAD6),
 }
 NOT_AVAILABLE = {"fp6_e3m2 fused": "E3M2 values are not int8 multiples of one power of two (16 x 28 = 448)"}
 GATE = 1.01

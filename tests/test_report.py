@@ -380,7 +380,7 @@ def test_accuracy_gives_each_ratio_its_interval_and_judges_the_shipped_build(tmp
     assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8"]).tlm != chat.tlm  # int16
     assert config_recipe(chat, CONFIGS["fp6_e2m3 native min_error +sensitive8 +nearest"]).tlm != chat.tlm
     four = get_recipe("smollm2-135m-chat-4bit")  # the four-bit recipe is the config its accuracy was measured as
-    assert config_recipe(chat, CONFIGS["fp4_e2m1 native min_error +sensitive6 +layers6"]).tlm == four.tlm
+    assert config_recipe(chat, CONFIGS["fp4_e2m1 native8 min_error +mostly6 +head6"]).tlm == four.tlm
     code = main(["--recipe", "tiny-stdlib-spd", "--configs", "fp32,fp6_e2m3 exact spec", "--tokens", "1100",
                  "--answer-tokens", "4", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "tiny-stdlib-spd" / "accuracy.json").read_text())

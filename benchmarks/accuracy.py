@@ -69,8 +69,9 @@ SENSITIVE6_LAYERS6 = SENSITIVE6 | {"mx_fp6": SENSITIVE + LAYERS6}
 # The same bits spent otherwise: the head MXFP6 frees 7 MB a token, which keep every other layer's MLP in MXFP6 too;
 # MXFP4 stays on the gate and up projections of the 4 layers that cost least KL there (the same ranking).
 LAYERS4 = ("layers.14.", "layers.6.", "layers.5.", "layers.13.")
+SMOLLM2_LAYERS = 30
 MOSTLY6_HEAD6 = {"mx_int8": (), "mx_fp6": ("self_attn", "down_proj") + tuple(
-    f"layers.{i}." for i in range(30) if f"layers.{i}." not in LAYERS4), "mx_lm_head": "fp6"}
+    f"layers.{i}." for i in range(SMOLLM2_LAYERS) if f"layers.{i}." not in LAYERS4), "mx_lm_head": "fp6"}
 ROUND_TO_NEAREST = {"mx_calibration": ""}  # the MX configs round with error feedback where the recipe does
 FLOAT_EMBEDDING = {"mx_embedding": "float32"}  # the embedding table as the recipe says otherwise
 KV16, KV32 = {"kv_cache": "float16"}, {"kv_cache": "float32"}  # the KV cache's type (a recipe key; KV32: CPU)

@@ -127,14 +127,11 @@ def _multi(art, prompt: str, args: argparse.Namespace, sampling: dict) -> int:
 
 def _method_settings(args: argparse.Namespace) -> dict:
     """The lookahead/prompt_lookup keyword dicts from the flags that were given."""
-    la = {"ngram": args.ngram, "window": args.window, "guesses": args.guesses}
-    pl = {"ngram": args.lookup_ngram, "max_draft": args.max_draft, "table": args.table}
-    out = {}
-    for name, given in (("lookahead", la), ("prompt_lookup", pl)):
-        given = {k: v for k, v in given.items() if v is not None} | ({"adaptive": False} if args.always_draft else {})
-        if given:
-            out[name] = given
-    return out
+    extra = {"adaptive": False} if args.always_draft else {}
+    given = {"lookahead": {"ngram": args.ngram, "window": args.window, "guesses": args.guesses},
+             "prompt_lookup": {"ngram": args.lookup_ngram, "max_draft": args.max_draft, "table": args.table}}
+    given = {name: {k: v for k, v in d.items() if v is not None} | extra for name, d in given.items()}
+    return {name: d for name, d in given.items() if d}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,15 +78,6 @@ class Artifact:
         return self.runners["dlm"]
 
 
-def _return_freed_heap() -> None:
-    """ONNX Runtime prepacks each weight once more at load to match it with its mapped blob, then
-    frees that copy; glibc keeps freed heap unless asked, which would look like a second copy."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to ask
-
-
 def memory_needed(path: Path, manifest: Manifest) -> int:
     """Bytes a loaded artifact keeps in use: the prepacked half of each weights file (a file holds
     the raw weights, read once at load, and their prepacked form, read every step; estimated as
@@ -128,7 +119,10 @@ def open_artifact(path: str | Path, verify: bool = True, threads: int | None = N
                           device_cache, cuda_graph)
         for role, entry in manifest.models.items()
     }
-    _return_freed_heap()
+    # ONNX Runtime prepacks each weight once more at load to match it with its mapped blob, then frees that
+    # copy; glibc keeps freed heap unless asked, which would look like a second copy (not glibc: nothing to ask)
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     table = None
     if ngram_table.FILE in manifest.files:
         try:

@@ -106,10 +106,7 @@ class DraftModelDrafter(Drafter):
     def end(self, text: list[int] | None) -> None:
         """Keep its DLM prefix of `text` for reuse (None: an error, nothing kept)."""
         if self.branch is not None:
-            if text is None:
-                self.forest.release(self.branch)
-            else:
-                self.forest.keep(self.branch, text)
+            self.forest.keep(self.branch, text)
             self.branch = None
 
     def summary(self) -> dict:

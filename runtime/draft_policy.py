@@ -20,30 +20,15 @@ Offer = tuple[int, int]  # a request's kind of draft, and the most tokens it can
 
 
 def judged(drafted: int, accepted: int, independent: bool) -> int:
-    """The drafts a round tells the acceptance estimate about: those the target judged (the accepted
-    ones and the first rejected) when drafts are accepted independently (a draft model); all of them
-    for a lookup, whose drafts stand or fall together."""
+    """The drafts a round tells the acceptance estimate about (the module's docstring says why)."""
     return accepted + (accepted < drafted) if independent else drafted
 
 
 class DraftPolicy:
-    def __init__(
-        self,
-        method: str,
-        price: Callable[[str, int, bool], float],
-        lengths: Sequence[int],
-        window: int = 0,
-        fixed: int | None = None,
-        adapt: bool = True,
-        prior: float = 0.5,
-        prior_weight: float = 4.0,
-        priors: dict[int, float] | None = None,
-        smoothing: float = 0.2,
-        probe_every: int = 8,
-        probe_share: float = 0.02,
-        remeasure_every: int = 32,
-        margin: float = 0.05,
-    ) -> None:
+    def __init__(self, method: str, price: Callable[[str, int, bool], float], lengths: Sequence[int], window: int = 0,
+                 fixed: int | None = None, adapt: bool = True, prior: float = 0.5, prior_weight: float = 4.0,
+                 priors: dict[int, float] | None = None, smoothing: float = 0.2, probe_every: int = 8,
+                 probe_share: float = 0.02, remeasure_every: int = 32, margin: float = 0.05) -> None:
         """`method`: "draft", "prompt_lookup" or "lookahead"; `price(role, rows, warm)`: ms of that many rows
         of the "tlm" or the "dlm" (`warm`: as steady plain decoding, else as drafting has cost); `lengths`:
         the draft lengths a step may take (compiled scoring graphs; lookahead: 1, a step); `window`: a
@@ -67,10 +52,6 @@ class DraftPolicy:
         self.rows = 1  # the rows of the last plain step priced
         self.last_k: int | None = None  # the previous step's length (None: nothing yet)
         self.probe: tuple[int, float] | None = None  # this run of plain steps' probe: its length, and when it is due
-
-    @property
-    def tested(self) -> float:
-        return sum(t for t, _ in self.counts.values())
 
     def acceptance(self, kind: int = 0) -> float:
         tested, accepted = self.counts.get(kind, (0, 0))

@@ -445,10 +445,8 @@ class Engine:
         return out, chosen
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.branch is not None and reason != "error":  # an error's KV may be incomplete: not kept
-            self.forest.keep(req.branch, req.prompt + req.tokens)
-        elif req.branch is not None:
-            self.forest.release(req.branch)
+        if req.branch is not None:  # an error's KV may be incomplete: not kept
+            self.forest.keep(req.branch, None if reason == "error" else req.prompt + req.tokens)
         if req.drafter is not None:  # a draft model's accepted prefix is kept, as the TLM's
             req.drafter.end(None if reason == "error" else req.prompt + req.tokens)
         self.live.remove(req)

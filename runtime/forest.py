@@ -104,11 +104,11 @@ class Forest:
         self.live.remove(branch)
         self._low = 0
 
-    def keep(self, branch: Branch, tokens: list[int]) -> None:
+    def keep(self, branch: Branch, tokens: list[int] | None) -> None:
         """Release a finished branch into the prefix cache; `tokens` is its sequence (tokens past what
-        it holds, like the last sampled one, have no KV and are left out)."""
+        it holds, like the last sampled one, have no KV and are left out; None: nothing is kept)."""
         self.release(branch)
-        if self.cache is not None:
+        if self.cache is not None and tokens is not None:
             n = min(len(tokens), branch.length)
             self.cache.insert(np.asarray(tokens[:n], dtype=np.int64), np.asarray(branch.order[:n], dtype=np.int64))
 

@@ -87,23 +87,12 @@ class Generation:
         self.result = GenerationResult(req.tokens, text, finish, metrics)
 
 
-def start_generation(
-    artifact: str | Path | Artifact,
-    prompt: str | Sequence[int],
-    max_new_tokens: int | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    speculative: bool | str | None = None,
-    draft_sampling: SamplingParams | None = None,
-    chat: bool | None = None,
-    draft_length: int | None = None,
-    lookahead: dict | None = None,
-    prompt_lookup: dict | None = None,
-) -> Generation:
+def start_generation(artifact: str | Path | Artifact, prompt: str | Sequence[int], max_new_tokens: int | None = None,
+                     do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                     speculative: bool | str | None = None, draft_sampling: SamplingParams | None = None,
+                     chat: bool | None = None, draft_length: int | None = None, lookahead: dict | None = None,
+                     prompt_lookup: dict | None = None) -> Generation:
     """Validate everything up front (so bad input fails before any work) and set up a Generation."""
     d = decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop)
     if not isinstance(speculative, str):

@@ -58,12 +58,11 @@ class HostPlacement(Placement):
                       small={}, **self.inputs(tokens))
         if g.greedy_outputs:
             g.small = {name: np.zeros((1, rows), dtype) for name, dtype in graph_io.GREEDY_OUTPUTS.items()}
-        for name, array in g.small.items():
+        for name, array in {**g.small, graph_io.LOGITS: g.logits_out}.items():
             _bind(g.binding, name, array, output=True)
         _bind(g.binding, graph_io.INPUT_IDS, g.input_ids)
         _bind(g.binding, graph_io.POSITION_IDS, g.position_ids)
         _bind(g.binding, graph_io.ATTENTION_MASK, g.mask)
-        _bind(g.binding, graph_io.LOGITS, g.logits_out, output=True)
         for i in range(d.n_layers):
             _bind(g.binding, graph_io.past_key(i), self.cache[2 * i])
             _bind(g.binding, graph_io.past_value(i), self.cache[2 * i + 1])

@@ -7,10 +7,7 @@ rows' KV into chosen slots (any subset: the accepted path of a token tree); whic
 the engine's forest of sequences over the cache (runtime/forest.py), the one writer at a time.
 All input and output buffers are allocated once per graph and bound to ONNX Runtime; a step
 fills a few small arrays in place instead of building feeds and copying outputs. Where the tensors
-live and how the sessions open is the placement's (runtime/placement.py): host arrays on the CPU
-target (runtime/host_placement.py); on a GPU target the cache and every graph's buffers on the
-device, committing moving KV there, each fixed-shape graph replayed as one CUDA graph
-(runtime/device_placement.py).
+live and how the sessions open is the placement's (runtime/placement.py).
 """
 
 from __future__ import annotations

@@ -125,9 +125,24 @@ def start_branches(artifact: str | Path | Artifact, prompt: str | Sequence[int],
     return MultiGeneration(art, ids, [], n, max_new, d, "branches")
 
 
-def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
-                questions: Sequence[str | Sequence[int]], **sampling) -> MultiGeneration:
-    """Check a several-questions request and set it up: the context (if any) is prefilled once."""
+def collect(gen: MultiGeneration) -> MultiResult:
+    for _ in gen:
+        pass
+    assert gen.result is not None
+    return gen.result
+
+
+def generate_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
+                   questions: Sequence[str | Sequence[int]], **sampling) -> MultiResult:
+    """Answer several questions over one context, all decoded together (greedy unless do_sample).
+
+    The context is prefilled once; each question sees the context and itself, never another
+    question. Answer i equals a separate `generate(art, context_ids + question_ids)` (greedy), where
+    a text question is tokenized on its own, without special tokens (and no chat template).
+    context=None (or empty): the questions are unrelated prompts, each encoded as generate() would.
+    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed (answer i uses seed + i), stop.
+    Everything is checked before any work.
+    """
     if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
         raise TypeError(f"questions must be a list of strings or token-id lists, got {type(questions).__name__}")
     if not questions:
@@ -138,39 +153,14 @@ def start_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | 
     if context is None or len(context) == 0:
         shared, chains = [], [encode_prompt(art, q) for q in questions]
     else:
-        shared = encode_prompt(art, context, chat=False)
-        chains = [_continuation_ids(art, q, i) for i, q in enumerate(questions)]
+        shared, chains = encode_prompt(art, context, chat=False), []
+        for i, q in enumerate(questions):  # follows the context: no special tokens (no second BOS)
+            ids = art.tokenizer(q, add_special_tokens=False)["input_ids"] if isinstance(q, str) else token_ids(q)
+            if not ids:
+                raise ValueError(f"question {i} is empty")
+            chains.append(encode_prompt(art, ids, chat=False))  # token ids checked
         encode_prompt(art, shared + max(chains, key=len), chat=False)  # the longest context + question fits
-    return MultiGeneration(art, shared, chains, len(chains), max_new, d, "questions")
-
-
-def _continuation_ids(art: Artifact, question: str | Sequence[int], i: int) -> list[int]:
-    """A question that follows the context: its tokens without special tokens (no second BOS)."""
-    ids = art.tokenizer(question, add_special_tokens=False)["input_ids"] if isinstance(question, str) \
-        else token_ids(question)
-    if not ids:
-        raise ValueError(f"question {i} is empty")
-    return encode_prompt(art, ids, chat=False)  # token ids checked
-
-
-def collect(gen: MultiGeneration) -> MultiResult:
-    for _ in gen:
-        pass
-    assert gen.result is not None
-    return gen.result
-
-
-def generate_multi(artifact: str | Path | Artifact, context: str | Sequence[int] | None,
-                   questions: Sequence[str | Sequence[int]], **kwargs) -> MultiResult:
-    """Answer several questions over one context, all decoded together (greedy unless do_sample).
-
-    The context is prefilled once; each question sees the context and itself, never another
-    question. Answer i equals a separate `generate(art, context_ids + question_ids)` (greedy), where
-    a text question is tokenized on its own, without special tokens (and no chat template).
-    context=None (or empty): the questions are unrelated prompts, each encoded as generate() would.
-    Keywords: max_new_tokens, do_sample, temperature, top_k, top_p, seed (answer i uses seed + i), stop.
-    """
-    return collect(start_multi(artifact, context, questions, **kwargs))
+    return collect(MultiGeneration(art, shared, chains, len(chains), max_new, d, "questions"))
 
 
 def stream_branches(

@@ -1,10 +1,8 @@
 """Where a model's tensors live and how its sessions open: the runner (runtime/model_runner.py) asks its
 placement, and each placement is one file.
 
-- `HostPlacement` (runtime/host_placement.py), the CPU target: the KV cache is a numpy array bound to
-  every graph, the sessions share one mapping of the weights file.
-- `DevicePlacement` (runtime/device_placement.py), a GPU target (or forced on the CPU by the tests):
-  the cache and every buffer on the device, one device copy of the weights, CUDA graphs.
+`HostPlacement` (runtime/host_placement.py) on the CPU target; `DevicePlacement` (runtime/device_placement.py)
+on a GPU target (or forced on the CPU by the tests): the cache and every buffer on the device, CUDA graphs.
 
 What they share is here: a graph's bound buffers (`BoundGraph`: the runner fills the host inputs in
 place and calls `run`) and opening a session the target's way (options and providers from

@@ -61,18 +61,14 @@ class Proposal:
         """The call: tokens [n] (root, tree, aux), the tree's parents [1 + m] and sees bool [n, n]
         (made once: the engine asks when it builds the call and again when it verifies)."""
         if self._rows is None or self._rows[0] != root:
-            self._rows = root, self._make_rows(root)
+            parents = np.concatenate([[-1], self.parents]).astype(np.int64)
+            tree, n = len(parents), len(parents) + len(self.aux_tokens)
+            sees = np.zeros((n, n), bool)
+            sees[:tree, :tree] = graph_io.tree_sees(parents)
+            sees[tree:, 0] = True
+            sees[tree:, tree:] = self.aux_sees
+            self._rows = root, (np.concatenate([[root], self.tokens, self.aux_tokens]).astype(np.int64), parents, sees)
         return self._rows[1]
-
-    def _make_rows(self, root: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        parents = np.concatenate([[-1], self.parents]).astype(np.int64)
-        tree = len(parents)
-        n = tree + len(self.aux_tokens)
-        sees = np.zeros((n, n), bool)
-        sees[:tree, :tree] = graph_io.tree_sees(parents)
-        sees[tree:, 0] = True
-        sees[tree:, tree:] = self.aux_sees
-        return np.concatenate([[root], self.tokens, self.aux_tokens]).astype(np.int64), parents, sees
 
 
 class Drafter(Protocol):

@@ -19,8 +19,6 @@ import numpy as np
 
 from runtime.sampling import sample
 
-__all__ = ["rejection_sample", "verify_candidates", "verify_greedy", "verify_tree"]
-
 
 def rejection_sample(
     draft: np.ndarray, q: np.ndarray, p: np.ndarray, rng: np.random.Generator

@@ -162,8 +162,7 @@ def encode_prompt(art: Artifact, prompt: str | Sequence[int], chat: bool | None 
         chat = art.manifest.recipe.get("chat_template", False) if chat is None else chat
         tok = art.tokenizer
         if chat and tok.chat_template:
-            ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                add_generation_prompt=True, return_dict=False))
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             ids = tok(prompt)["input_ids"]
     if not ids:

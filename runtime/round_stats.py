@@ -7,8 +7,6 @@ from runtime.proposal import Proposal
 
 
 class RoundStats:
-    """Counters for the metrics users expect of speculation (step compression, acceptance, calls, time)."""
-
     def __init__(self) -> None:
         self.rounds = self.plain_steps = self.drafted = self.accepted = self.delivered = 0
         self.drafted_at: list[int] = []  # rounds whose tree reached depth d + 1

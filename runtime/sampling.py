@@ -15,8 +15,6 @@ from numbers import Integral, Real
 
 import numpy as np
 
-__all__ = ["SamplingParams", "argmax_rows", "sample", "softmax", "warp"]
-
 
 @dataclass(frozen=True)
 class SamplingParams:

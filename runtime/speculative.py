@@ -1,11 +1,8 @@
 """Speculative decoding: the drafter and the draft policy of each method, for the engine's requests.
 
-Each round a drafter (runtime/draft_model.py, prompt_lookup.py, lookahead.py) proposes a token
-tree under the root (the last committed token); the engine (runtime/engine.py) scores the root,
-the tree and any rows the drafter needs in one call, runtime/rejection.py accepts one root-to-node
-path exactly and emits one more token, and the rejected rows leave the cache. An empty proposal is
-a plain decode step (the policy chooses one when drafting does not pay). Invariant between rounds:
-the TLM has processed every committed token but the last.
+A round (docs/runtime.md, "Speculation methods"): a drafter (runtime/draft_model.py, prompt_lookup.py,
+lookahead.py) proposes a token tree under the last committed token, the engine scores and verifies it; an
+empty proposal is a plain step. Invariant between rounds: the TLM has processed every committed token but the last.
 """
 
 from __future__ import annotations

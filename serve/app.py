@@ -232,13 +232,6 @@ class BodyLimit:
             {"type": "http"}, None, send)
 
 
-def _longest_token_chars(art: Artifact) -> int:
-    """The most characters one token stands for: a text longer than `limit` times this has more than
-    `limit` tokens, whatever it says (byte-level and SentencePiece vocabularies spell a token with at
-    least as many characters as it decodes to)."""
-    return max(map(len, art.tokenizer.backend.get_vocab()))
-
-
 def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, speculation: str | None = None,
                api_key: str | None = None, prefix_cache: bool | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -255,7 +248,9 @@ def create_app(art: Artifact, name: str | None = None, max_queue: int = 64, spec
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.state.scheduler = scheduler
     started = time.time()
-    most_chars = (art.manifest.context_length - 1) * _longest_token_chars(art)
+    # a text over the context times the most characters one token stands for has more tokens than the context
+    # (byte-level and SentencePiece vocabularies spell a token with at least as many characters as it decodes to)
+    most_chars = (art.manifest.context_length - 1) * max(map(len, art.tokenizer.backend.get_vocab()))
     tool_role = "tool" in (art.tokenizer.chat_template or "")
 
     async def authorize(request: Request) -> None:
@@ -433,8 +428,7 @@ class _Output:
         self.texts: list[str] = []  # each token's own text (with logprobs)
         self.logprobs: list[TokenLogprob | None] = []  # None: the prompt's first token (nothing predicts it)
         self.text, self.sent, self.finish, self.error = "", 0, None, None
-        self.chunks = 0  # stream chunks sent
-        self.reported = 0  # tokens whose logprobs went out in stream chunks
+        self.chunks = self.reported = 0  # stream chunks sent; tokens whose logprobs went out in them
         self.prefix, self.begun = "", False
 
     def _log(self, tokens: list[int], logprobs: list) -> None:

@@ -16,8 +16,6 @@ from runtime.artifact import Artifact
 from runtime.engine import Engine, Event, Request, check_fits, make_requests
 from runtime.request import Decoding, Speculation
 
-__all__ = ["Event", "QueueFullError", "Request", "Scheduler"]
-
 
 class QueueFullError(RuntimeError):
     """The scheduler's waiting queue is full: retry later."""

@@ -47,6 +47,7 @@ from compiler.mx_lowering import (
     Memo,
     lower_model,
 )
+from compiler.output_casts import drop_output_casts
 from compiler.pack_matmuls import SEPARATOR, pack_matmuls
 from compiler.rotary import fuse_rotary
 from compiler.rotary_attention import fuse_rotary_attention
@@ -268,7 +269,7 @@ def _compile_model(export_dir: Path, out_dir: Path, target: Target, lowering: st
             optimised = onnx.load(str(path), load_external_data=False)
             changed = 0
             if not target.float16:  # fusions of the optimised graph: ONNX Runtime's CPU ops, and mxspd's
-                changed = fuse_skip_norms(optimised, shapes)
+                changed = fuse_skip_norms(optimised, shapes) + drop_output_casts(optimised)
                 if invariant:
                     changed += fuse_swiglu(optimised)
                     changed += fuse_matmul_prologues(optimised)

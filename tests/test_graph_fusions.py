@@ -99,12 +99,12 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     """Every graph of a Llama- or Qwen2-shaped model has its rotary embeddings fused and no Neg left,
     one matmul call for gate/up (and for q/k/v in MXFP6: float32 k and v fill half a panel here), one
     SwiGLU per layer, and every residual Add in a SkipSimplifiedLayerNormalization, both folded into the
-    matmul that reads them (compiler/matmul_prologue.py). Where the packed
-    q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds biases between), one RotaryAttention per
-    layer splits it into heads and attends, with no Reshape or Transpose left; else one Rotary per query and key,
-    and a Reshape and a Transpose for the values (a graph output). Without SwiGLU (whose sigmoid is
-    not QuickGelu's), its logits are the bits of the same model compiled without the fusions that keep
-    bits; with it, within float32 rounding of them."""
+    matmul that reads them (compiler/matmul_prologue.py); the LM head's matmul writes the logits output
+    (no Cast copies them). Where the packed q/k/v call feeds the rotary ops directly (Llama; Qwen2 adds
+    biases between), one RotaryAttention per layer splits it into heads and attends, with no Reshape or
+    Transpose left; else one Rotary per query and key, and a Reshape and a Transpose for the values (a
+    graph output). Without SwiGLU (whose sigmoid is not QuickGelu's), its logits are the bits of the same
+    model compiled without the fusions that keep bits; with it, within float32 rounding of them."""
     recipe = replace(tiny_recipe(), dlm=None, tlm=FORMATS[fmt])
 
     def build_it(name: str) -> runtime.Artifact:
@@ -114,13 +114,17 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     fused = build_it("fused")
     layers = fused.tlm.dims.n_layers
     split_heads = kind == "llama-gqa" and fmt == "mx-native"
+    calls_of = {"mx-native": (kernels.MX_MATMUL, 4 * layers + 1),  # qkv, o, gate+up, down; the MXINT8 LM head
+                "float32": (kernels.ROW_MATMUL, 6 * layers + 1)}  # q, k, v, o, gate+up, down; LM head
     for g in fused.manifest.models["tlm"].graphs.values():
-        ops = [n.op_type for n in onnx.load(str(fused.path / g.file), load_external_data=False).graph.node]
+        nodes = onnx.load(str(fused.path / g.file), load_external_data=False).graph.node
+        ops = [n.op_type for n in nodes]
+        # the LM head's matmul writes the logits output itself: no Cast to float32 copies them (output_casts.py)
+        assert [n.op_type for n in nodes if graph_io.LOGITS in n.output] == [calls_of[fmt][0]], g.file
         assert ops.count(kernels.ROTARY_ATTENTION) == (layers if split_heads else 0), g.file  # with its RotaryQKV
         assert ops.count(kernels.ROTARY_QKV) == 0 and ops.count(kernels.ATTENTION) == (0 if split_heads else layers)
         assert ops.count(kernels.ROTARY) == (0 if split_heads else 2 * layers) and "Neg" not in ops, g.file
-        calls = {"mx-native": (kernels.MX_MATMUL, 4 * layers + 1),  # qkv, o, gate+up, down; the MXINT8 LM head
-                 "float32": (kernels.ROW_MATMUL, 6 * layers + 1)}[fmt]  # q, k, v, o, gate+up, down; LM head
+        calls = calls_of[fmt]
         assert ops.count(calls[0]) == calls[1], g.file
         table = int(bool(fused.manifest.models["tlm"].quant.get("embedding")))  # the MXINT8 table's rows: a Reshape
         assert ops.count("Reshape") - table == ops.count("Transpose") == (0 if split_heads else layers), g.file
@@ -137,6 +141,7 @@ def test_compiled_models_fuse_every_layer_and_keep_their_bits(kind, fmt, checkpo
     monkeypatch.setattr(build, "fold_layouts", lambda model, shapes: 0)
     monkeypatch.setattr(build, "pack_matmuls", lambda model, read, store, concat=None: 0)
     monkeypatch.setattr(build, "fuse_split_heads", lambda model, shapes: 0)
+    monkeypatch.setattr(build, "drop_output_casts", lambda model: 0)
     unfused = build_it("unfused")
     quant = [art.manifest.models["tlm"].quant for art in (fused, unfused)]
     assert quant[0].get("lowered_weights") == quant[1].get("lowered_weights")  # every MX weight still in its kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx
 
-from compiler.layouts import Readers, attribute
+from compiler.layouts import Readers, attribute, replace_nodes
 from kernels import DOMAIN, MX_MATMUL, ROW_MATMUL
 
 FLOAT_OUTPUTS = {MX_MATMUL, ROW_MATMUL}  # mxspd's ops whose output is float32
@@ -19,17 +19,17 @@ FLOAT_OUTPUTS = {MX_MATMUL, ROW_MATMUL}  # mxspd's ops whose output is float32
 def drop_output_casts(model: onnx.ModelProto) -> int:
     """Drop every float32 Cast between one of mxspd's matmuls and a graph output (in place); returns how many."""
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    readers = Readers(graph, graph.node)
-    dropped = []
-    for cast in graph.node:
+    nodes = list(graph.node)  # one wrapper per node, so that id() names it throughout
+    producer = {o: n for n in nodes for o in n.output}
+    readers = Readers(graph, nodes)
+    dropped: dict[int, onnx.NodeProto | None] = {}
+    for cast in nodes:
         src = producer.get(cast.input[0]) if cast.op_type == "Cast" and cast.domain in ("", "ai.onnx") else None
         if (src is None or src.domain != DOMAIN or src.op_type not in FLOAT_OUTPUTS
                 or attribute(cast, "to") != onnx.TensorProto.FLOAT or cast.output[0] not in readers.outputs
                 or readers.sole(cast.input[0], "Cast") is not cast):
             continue
         src.output[list(src.output).index(cast.input[0])] = cast.output[0]
-        dropped.append(cast)
-    for cast in dropped:
-        graph.node.remove(cast)
+        dropped[id(cast)] = None
+    replace_nodes(graph, nodes, dropped)
     return len(dropped)
